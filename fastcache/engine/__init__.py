@@ -1,0 +1,6 @@
+"""The engine side: SwapBackend and its helpers."""
+from .allocator import CpuBlockAllocator
+from .backend import SwapBackend
+from .handle import TransferHandle
+
+__all__ = ["SwapBackend", "TransferHandle", "CpuBlockAllocator"]

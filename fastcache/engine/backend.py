@@ -1,0 +1,497 @@
+"""SwapBackend: the engine side of fastcache (DESIGN §1, §4-§7).
+
+It creates the deployment's signals, phase barrier, CPU tiers and task queue, spawns one transfer
+manager per rank and supervises them, turns swap requests into validated tasks, aggregates the ranks'
+reports into one result per task, and drives clear/restore. One I/O thread owns the queue's socket;
+callers hand it submissions over an inproc socket.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import psutil
+import zmq
+
+from ..config import CacheSpec, Settings
+from ..errors import TransferError
+from ..ipc import protocol
+from ..ipc.barrier import BrokenBarrierError, RankBarrier
+from ..ipc.naming import new_suffix, swap_space_name
+from ..ipc.queue import bind_engine, identity_rank, make_socket_dir, remove_socket_dir
+from ..ipc.shm import SHM_DIR, SharedSegment
+from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
+from ..ops import resolve_device
+from ..transfer import EXIT_REASONS
+from ..worker.cache_worker import close_local_workers
+from .allocator import CpuBlockAllocator
+from .handle import TransferHandle
+
+log = logging.getLogger("fastcache.engine")
+
+MEMORY_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
+
+
+class SwapBackend:
+    """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`"""
+
+    def __init__(self, spec: CacheSpec, tp_size: int = 1, device: str = "auto", suffix: str | None = None,
+                 settings: Settings | None = None, device_ids=None):
+        if not isinstance(spec, CacheSpec):
+            raise ValueError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        self.spec, self.tp_size = spec, tp_size
+        self.device = resolve_device(device)
+        self.suffix = suffix or new_suffix()
+        self.settings = settings or Settings.from_env()
+        self.device_ids = list(device_ids) if device_ids is not None else list(range(tp_size))
+        self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
+        self._handles: dict[int, TransferHandle] = {}
+        self._handles_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
+        self._phase_lock = threading.Lock()
+        self._phase_acks: dict[str, dict[int, str | None]] = {}
+        self._phase_cond = threading.Condition()
+        self._task_ids = itertools.count(1)
+        self._procs: list[subprocess.Popen | None] = [None] * tp_size
+        self._failed: dict[int, str] = {}          # rank -> why it is out of service
+        self._registered = [False] * tp_size
+        self._attached = [False] * tp_size
+        self._swap_segments: list[SharedSegment | None] = [None] * tp_size
+        self._warned: set = set()
+        self._started = self._closed = False
+        self.signals = self.barrier = None
+
+    # -- start-up --------------------------------------------------------------------------------
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def start(self):
+        if self._started:
+            return self
+        from ..tools.cleanup import remove_dead
+        remove_dead()
+        self._check_fits()
+        self._started = True
+        try:
+            self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True)
+            names = ["engine"] + [f"transfer manager rank {r}" for r in range(self.tp_size)] + \
+                    [f"worker rank {r}" for r in range(self.tp_size)]
+            self.barrier = RankBarrier(self.suffix, len(names), create=True, party_names=names)
+            self.barrier.register(0)
+            self._create_swap_spaces()
+            self.socket_dir = make_socket_dir(self.suffix)
+            self._context = zmq.Context()
+            self._task_pushes, self._router = bind_engine(self._context, self.socket_dir, self.tp_size)
+            self._io_stop = threading.Event()
+            self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
+            self._io_thread.start()
+            for rank in range(self.tp_size):
+                self._spawn(rank)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _check_fits(self):
+        """Refuse a spec that cannot fit before allocating anything (psutil / /dev/shm free space)."""
+        need = self.tp_size * self.spec.cpu_cache_bytes
+        if self.device == "sim":
+            need += self.tp_size * self.spec.gpu_cache_bytes
+        have = min(psutil.virtual_memory().available, shutil.disk_usage(SHM_DIR).free) * MEMORY_HEADROOM
+        if need > have:
+            raise ValueError(f"the spec needs {need / 2**30:.2f} GiB of shared memory for {self.tp_size} rank(s) "
+                             f"(CPU tier{' and simulated GPU cache' if self.device == 'sim' else ''}), "
+                             f"but only {have / 2**30:.2f} GiB can be had; lower num_cpu_blocks or num_gpu_blocks")
+
+    def _create_swap_spaces(self):
+        for rank in range(self.tp_size):
+            if self._swap_segments[rank] is None:
+                self._swap_segments[rank] = SharedSegment.create(
+                    swap_space_name(self.suffix, rank), self.spec.cpu_cache_bytes, self.suffix)
+
+    def _release_swap_spaces(self):
+        for rank, seg in enumerate(self._swap_segments):
+            if seg is not None:
+                seg.close()
+                self._swap_segments[rank] = None
+
+    def _spawn(self, rank: int):
+        cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(self.tp_size),
+               "--device_id", str(self.device_ids[rank]), "--ipc_suffix", self.suffix,
+               "--socket_dir", self.socket_dir, "--engine_pid", str(os.getpid()), "--device", self.device,
+               "--spec", self.spec.to_json()]
+        self._registered[rank] = self._attached[rank] = False
+        self.signals.transfer_heartbeat[rank] = 0
+        self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    @property
+    def transfer_pids(self) -> list[int]:
+        return [p.pid if p is not None else 0 for p in self._procs]
+
+    @property
+    def status(self) -> int:
+        return self.signals.status
+
+    def wait_ready(self, timeout: float = 30.0):
+        """Wait until every worker has exported its cache and every transfer manager has attached it."""
+        deadline = time.monotonic() + timeout
+        while not self._all_ready():
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TransferError(f"deployment not ready after {timeout} s: {self._readiness()}")
+            time.sleep(0.002)
+        return self
+
+    def _all_ready(self) -> bool:
+        return (all(self._attached) and bool(self.signals.cache_ready.all())
+                and bool(self.signals.swap_space_ready.all()))
+
+    def _readiness(self) -> str:
+        return "; ".join(
+            f"rank {r}: cache_ready={int(self.signals.cache_ready[r])} "
+            f"swap_space_ready={int(self.signals.swap_space_ready[r])} "
+            f"transfer manager {'attached' if self._attached[r] else 'registered' if self._registered[r] else 'not connected'}"
+            for r in range(self.tp_size))
+
+    # -- swaps -----------------------------------------------------------------------------------
+    def swap_out(self, gpu_block_ids, cpu_block_ids) -> TransferHandle:
+        """Copy GPU blocks to CPU blocks on every rank."""
+        return self._submit(protocol.SWAP_TO_CPU, gpu_block_ids, cpu_block_ids)
+
+    def swap_in(self, gpu_block_ids, cpu_block_ids) -> TransferHandle:
+        """Copy CPU blocks back to GPU blocks on every rank."""
+        return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids)
+
+    def _submit(self, kind, gpu_block_ids, cpu_block_ids) -> TransferHandle:
+        gpu_ids, cpu_ids = self._validate(kind, gpu_block_ids, cpu_block_ids)
+        if not self._started or self._closed:
+            raise TransferError("the backend is not running")
+        status = self.signals.status
+        if status != NORMAL:
+            raise TransferError(f"swap refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
+                                f"(the cache is being cleared or restored)")
+        self._raise_if_failed()
+        if not self._all_ready():
+            raise TransferError(f"swap refused: deployment not ready ({self._readiness()}); call wait_ready()")
+        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
+                                self.spec.task_bytes(gpu_ids) * self.tp_size)
+        with self._handles_lock:
+            self._handles[handle.task_id] = handle
+        self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids), handle.task_id)
+        return handle
+
+    def _validate(self, kind, gpu_block_ids, cpu_block_ids):
+        gpu_ids = _as_ids(gpu_block_ids, "gpu_block_ids")
+        cpu_ids = _as_ids(cpu_block_ids, "cpu_block_ids")
+        if len(gpu_ids) != len(cpu_ids):
+            raise ValueError(f"gpu_block_ids has {len(gpu_ids)} ids but cpu_block_ids has {len(cpu_ids)}")
+        if len(gpu_ids) == 0:
+            raise ValueError("a swap needs at least one block")
+        protocol.check_ids(gpu_ids, cpu_ids, kind, self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
+        wire = np.int32 if max(self.spec.num_gpu_blocks, self.spec.num_cpu_blocks) < 2**31 else np.int64
+        return gpu_ids.astype(wire), cpu_ids.astype(wire)
+
+    def cpu_tier(self, rank: int) -> np.ndarray:
+        """Rank's CPU tier as uint8 [num_cpu_blocks, cpu_block_bytes] (block-major; for checks and tools)."""
+        seg = self._swap_segments[rank]
+        if seg is None:
+            raise TransferError(f"rank {rank} has no CPU tier (released by clear_caches)")
+        return seg.array(np.uint8, (self.spec.num_cpu_blocks, self.spec.cpu_block_bytes))
+
+    def allocate_cpu_blocks(self, n: int) -> list[int]:
+        return self.allocator.allocate(n)
+
+    def free_cpu_blocks(self, ids):
+        self.allocator.free(ids)
+
+    # -- clear / restore (DESIGN §6) ---------------------------------------------------------------
+    def clear_caches(self, timeout: float = 60.0):
+        """Release every rank's cache memory; returns once all of it is free (status CLEARED)."""
+        with self._phase_lock:
+            if self.signals.status == CLEARED:
+                return
+            self._raise_if_failed()
+            deadline = time.monotonic() + timeout
+            self.barrier.reset()
+            self.signals.status = CLEARING              # refuses new swaps from here on
+            self._drain(deadline)                       # a clear never pulls memory from under a copy
+            release = self.settings.clear_swap_space
+            self._run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
+            self._wait_signals(lambda: not self.signals.cache_ready.any() and
+                               (not release or not self.signals.swap_space_ready.any()), deadline, "release")
+            self._attached = [False] * self.tp_size
+            if release:
+                self._release_swap_spaces()
+            self.allocator.reset()
+            self.signals.status = CLEARED
+
+    def restore_caches(self, timeout: float = 60.0):
+        """Re-create every rank's cache; returns once all ranks are ready again (status NORMAL)."""
+        with self._phase_lock:
+            if self.signals.status == NORMAL:
+                return
+            if self.signals.status != CLEARED:
+                raise TransferError(f"restore needs a cleared cache; kv_cache_status is "
+                                    f"{STATUS_NAMES.get(self.signals.status)}")
+            self._raise_if_failed()
+            deadline = time.monotonic() + timeout
+            self.barrier.reset()
+            self._create_swap_spaces()
+            self.signals.status = UPDATING
+            self._run_phase("restore", protocol.encode("restore"), deadline)
+            self._wait_signals(self._all_ready, deadline, "restore")
+            self.signals.status = NORMAL
+
+    def _drain(self, deadline):
+        with self._handles_lock:
+            pending = list(self._handles.values())
+        for handle in pending:
+            try:
+                handle.result(max(0.0, deadline - time.monotonic()))
+            except TransferError:
+                pass                                    # its owner sees the failure
+            except TimeoutError:
+                raise TransferError(f"clear timed out waiting for task {handle.task_id} in flight") from None
+
+    def _run_phase(self, phase, message, deadline):
+        """Send a phase to every transfer manager, meet everyone at the barrier, collect the acks."""
+        with self._phase_cond:
+            self._phase_acks[phase] = {}
+        self._send_all(message)
+        try:
+            self.barrier.wait(0, max(0.0, deadline - time.monotonic()))
+        except BrokenBarrierError as exc:
+            raise TransferError(f"{phase} failed: {exc}") from None
+        with self._phase_cond:
+            ok = self._phase_cond.wait_for(lambda: len(self._phase_acks[phase]) == self.tp_size or self._failed,
+                                           max(0.0, deadline - time.monotonic()))
+            acks = self._phase_acks.pop(phase)
+        self._raise_if_failed()
+        errors = {r: e for r, e in acks.items() if e}
+        if errors or not ok:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or \
+                f"no report from ranks {sorted(set(range(self.tp_size)) - set(acks))}"
+            raise TransferError(f"{phase} failed: {detail}")
+
+    def _wait_signals(self, condition, deadline, what):
+        while not condition():
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise TransferError(f"{what} timed out: {self._readiness()}")
+            time.sleep(0.001)
+
+    # -- supervision -----------------------------------------------------------------------------
+    def restart_rank(self, rank: int, timeout: float = 30.0):
+        """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block."""
+        if not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank {rank} out of range for tp_size {self.tp_size}")
+        proc = self._procs[rank]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._mark_failed(rank, "restarted")
+        self._failed.pop(rank, None)
+        self._spawn(rank)
+        if self.signals.status == NORMAL:
+            deadline = time.monotonic() + timeout
+            self._wait_signals(lambda: self._attached[rank], deadline, f"restart of rank {rank}")
+
+    def _raise_if_failed(self):
+        if self._failed:
+            raise TransferError("; ".join(f"rank {r}: {why}" for r, why in sorted(self._failed.items())))
+
+    def _mark_failed(self, rank: int, why: str):
+        """Take a rank out of service and fail everything it still owes."""
+        if rank not in self._failed:
+            log.error("rank %d: %s", rank, why)
+        self._failed[rank] = why
+        self._attached[rank] = False
+        with self._handles_lock:
+            handles = list(self._handles.values())
+        for handle in handles:
+            handle._rank_finished(rank, why)
+        self._forget_done(handles)
+        with self._phase_cond:
+            self._phase_cond.notify_all()
+
+    def _fail_pending(self, why):
+        with self._handles_lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            for rank in handle.pending_ranks():
+                handle._rank_finished(rank, why)
+
+    def _forget_done(self, handles):
+        with self._handles_lock:
+            for handle in handles:
+                if handle.done():
+                    self._handles.pop(handle.task_id, None)
+
+    def _watch_ranks(self):
+        if self._closed:
+            return
+        now = time.time()
+        for rank, proc in enumerate(self._procs):
+            if proc is None or rank in self._failed:
+                continue
+            code = proc.poll()
+            if code is not None:
+                reason = EXIT_REASONS.get(code, "it crashed" if code else "it stopped")
+                if code < 0:
+                    reason = f"killed by {signal.Signals(-code).name}"
+                self._mark_failed(rank, f"transfer manager (pid {proc.pid}) exited with status {code}: {reason}")
+                continue
+            beat = float(self.signals.transfer_heartbeat[rank])
+            if beat and now - beat > self.settings.transfer_timeout:
+                proc.kill()         # a silent process must not wake up later and write into the cache
+                self._mark_failed(rank, f"transfer manager (pid {proc.pid}) stopped answering "
+                                        f"(no heartbeat for {now - beat:.1f} s); killed it")
+
+    # -- the I/O thread --------------------------------------------------------------------------
+    def _serve(self):
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        next_watch = 0.0
+        while not self._io_stop.is_set():
+            events = dict(poller.poll(100))
+            if self._router in events:
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_reply(frames)
+            if time.monotonic() >= next_watch:
+                self._watch_ranks()
+                next_watch = time.monotonic() + 0.1
+
+    def _send_all(self, message, task_id=None):
+        """Deliver a task (or, without task_id, a command) to every rank, in submission order."""
+        with self._submit_lock:
+            for rank, push in enumerate(self._task_pushes):
+                if rank in self._failed:
+                    self._finish(task_id, rank, self._failed[rank])
+                    continue
+                try:
+                    push.send_multipart(message, zmq.NOBLOCK)
+                except zmq.Again:       # no transfer manager connected to this rank's pipe
+                    self._finish(task_id, rank, "transfer manager not connected")
+
+    def _finish(self, task_id, rank, error=None):
+        if task_id is None:
+            return
+        with self._handles_lock:
+            handle = self._handles.get(task_id)
+        if handle is None:
+            return
+        handle._rank_finished(rank, error)
+        if handle.done():
+            with self._handles_lock:
+                self._handles.pop(task_id, None)
+
+    def _on_reply(self, frames):
+        rank = identity_rank(frames[0]) if len(frames) > 1 else None
+        if rank is None or not 0 <= rank < self.tp_size:
+            self._warn_once(("identity", frames[0][:32]), f"message from unknown peer {frames[0][:32]!r}")
+            return
+        try:
+            header, _ = protocol.decode(frames[1:])
+        except protocol.ProtocolError as exc:
+            self._warn_once(("malformed", rank), f"rank {rank}: malformed reply dropped: {exc}")
+            return
+        kind = header["type"]
+        if kind == "register":
+            self._registered[rank] = True
+        elif kind == "done":
+            self._finish(header["task_id"], rank)
+        elif kind == "failed":
+            self._finish(header["task_id"], rank, header["error"])
+        elif kind in ("phase_done", "phase_failed"):
+            if header["phase"] == "attach":
+                self._attached[rank] = kind == "phase_done"
+                return
+            with self._phase_cond:
+                acks = self._phase_acks.get(header["phase"])
+                if acks is not None:
+                    acks[rank] = header.get("error")
+                    self._phase_cond.notify_all()
+        elif kind == "error":
+            self._warn_once(("error", rank, header["error"]), f"rank {rank} rejected a message: {header['error']}")
+        else:
+            self._warn_once(("type", rank, kind), f"rank {rank}: unexpected {kind!r} message dropped")
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def close(self):
+        """Stop the transfer managers and remove every segment and socket this deployment created."""
+        if self._closed or not self._started:
+            self._closed = True
+            return
+        self._closed = True
+        close_local_workers(self.suffix)
+        if getattr(self, "_io_thread", None) is not None:
+            self._send_all(protocol.encode("stop"))
+        self._stop_processes()
+        if getattr(self, "_io_thread", None) is not None:
+            self._io_stop.set()
+            self._io_thread.join()
+        self._fail_pending("the backend was closed")
+        for sock in [getattr(self, "_router", None)] + getattr(self, "_task_pushes", []):
+            if sock is not None:
+                sock.close(0)
+        if hasattr(self, "_context"):
+            self._context.term()
+        self._release_swap_spaces()
+        if self.barrier is not None:
+            self.barrier.close()
+        if self.signals is not None:
+            self.signals.close()
+        if hasattr(self, "socket_dir"):
+            remove_socket_dir(self.socket_dir)
+
+    def _stop_processes(self, grace: float = 5.0):
+        deadline = time.monotonic() + grace
+        for proc in self._procs:
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _as_ids(ids, label) -> np.ndarray:
+    """Block ids as a 1-D int64 array; any integer type in a list, tuple, range or array is accepted."""
+    if isinstance(ids, (str, bytes, dict, set)):
+        raise ValueError(f"{label} must be a sequence of ints, got {type(ids).__name__}")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{label} is not a sequence of ints: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{label} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{label} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{label}: block id {arr.max()} out of range")
+    return arr.astype(np.int64)

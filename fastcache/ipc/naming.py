@@ -1,0 +1,36 @@
+"""Names of a deployment's shared objects. Every name carries the deployment's suffix."""
+import os
+import secrets
+
+PREFIX = "fastcache"
+
+
+def new_suffix() -> str:
+    """The engine's pid plus a random token: two deployments on one machine never collide."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def segment_name(suffix: str, what: str) -> str:
+    """POSIX shared-memory name; it appears in /dev/shm without the leading slash."""
+    return f"/{PREFIX}.{suffix}.{what}"
+
+
+def signal_name(suffix: str, signal: str) -> str:
+    return segment_name(suffix, f"signal.{signal}")
+
+
+def swap_space_name(suffix: str, rank: int) -> str:
+    return segment_name(suffix, f"swap_rank{rank}")
+
+
+def cache_arena_name(suffix: str, rank: int, generation: int) -> str:
+    """The sim device's cache memory of one rank; the generation changes on every restore."""
+    return segment_name(suffix, f"cache_rank{rank}.gen{generation}")
+
+
+def manifest_name(suffix: str, rank: int) -> str:
+    return segment_name(suffix, f"exports_rank{rank}")
+
+
+def barrier_name(suffix: str) -> str:
+    return segment_name(suffix, "barrier")

@@ -1,0 +1,114 @@
+"""Wire format of the task queue: a JSON header frame, plus raw int32/int64 id frames for tasks.
+
+Nothing is pickled. `decode` validates every field and raises ProtocolError, which the receiver turns
+into an error reply; a malformed message never kills a process.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+SWAP_TO_CPU, SWAP_TO_GPU = "SWAP_TO_CPU", "SWAP_TO_GPU"
+TASK_KINDS = (SWAP_TO_CPU, SWAP_TO_GPU)
+ID_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
+MAX_HEADER_BYTES = 4096
+MAX_IDS = 1 << 24
+MAX_ERROR_CHARS = 2000
+
+# message type -> required fields and their types; no other field is accepted
+SCHEMAS = {
+    "register": {"rank": int, "pid": int},
+    "task": {"task_id": int, "kind": str, "dtype": str, "count": int},
+    "done": {"task_id": int, "rank": int, "nbytes": int, "seconds": float},
+    "failed": {"task_id": int, "rank": int, "error": str},
+    "clear": {"release_swap_space": bool},
+    "restore": {},
+    "phase_done": {"phase": str, "rank": int},
+    "phase_failed": {"phase": str, "rank": int, "error": str},
+    "stop": {},
+    "error": {"error": str},
+}
+PHASES = ("attach", "clear", "restore")
+
+
+class ProtocolError(ValueError):
+    """A received message is malformed; the text says what is wrong."""
+
+
+def encode(type_: str, **fields) -> list[bytes]:
+    return [json.dumps({"type": type_, **fields}, separators=(",", ":")).encode()]
+
+
+def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> list[bytes]:
+    dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
+    wire = ID_DTYPES[dtype]
+    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids))
+    return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
+
+
+def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
+    """(header, id arrays) of a received message; raises ProtocolError if anything is off."""
+    if not frames:
+        raise ProtocolError("empty message")
+    raw = frames[0]
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    type_ = header.get("type")
+    schema = SCHEMAS.get(type_) if isinstance(type_, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {type_!r}")
+    extra = set(header) - set(schema) - {"type"}
+    if extra:
+        raise ProtocolError(f"{type_}: unexpected fields {sorted(extra)}")
+    for field, kind in schema.items():
+        value = header.get(field)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = header[field] = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ProtocolError(f"{type_}: field {field!r} must be {kind.__name__}, got {value!r}")
+        if kind is int and value < 0:
+            raise ProtocolError(f"{type_}: field {field!r} must be >= 0, got {value}")
+    if "phase" in header and header["phase"] not in PHASES:
+        raise ProtocolError(f"{type_}: unknown phase {header['phase']!r}")
+    if type_ != "task":
+        if len(frames) != 1:
+            raise ProtocolError(f"{type_}: expected 1 frame, got {len(frames)}")
+        return header, []
+    return header, _task_ids(header, frames)
+
+
+def _task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
+    if header["kind"] not in TASK_KINDS:
+        raise ProtocolError(f"task: unknown kind {header['kind']!r}")
+    wire = ID_DTYPES.get(header["dtype"])
+    if wire is None:
+        raise ProtocolError(f"task: unknown id dtype {header['dtype']!r}")
+    count = header["count"]
+    if not 0 < count <= MAX_IDS:
+        raise ProtocolError(f"task: count {count} out of range 1..{MAX_IDS}")
+    if len(frames) != 3:
+        raise ProtocolError(f"task: expected 3 frames, got {len(frames)}")
+    ids = []
+    for label, frame in zip(("gpu", "cpu"), frames[1:]):
+        if len(frame) != count * wire.itemsize:
+            raise ProtocolError(f"task: {label} ids frame holds {len(frame)} bytes, expected {count * wire.itemsize}")
+        ids.append(np.frombuffer(frame, wire).astype(np.int64))
+    return ids
+
+
+def check_ids(gpu_ids, cpu_ids, kind: str, num_gpu_blocks: int, num_cpu_blocks: int):
+    """Range, sign and duplicate-destination checks shared by the engine and the transfer manager."""
+    for label, ids, bound in (("gpu", gpu_ids, num_gpu_blocks), ("cpu", cpu_ids, num_cpu_blocks)):
+        if ids.size and (ids.min() < 0 or ids.max() >= bound):
+            bad = ids[(ids < 0) | (ids >= bound)][0]
+            raise ValueError(f"{label} block id {int(bad)} out of range 0..{bound - 1}")
+    dest_label, dest = ("cpu", cpu_ids) if kind == SWAP_TO_CPU else ("gpu", gpu_ids)
+    if len(np.unique(dest)) != len(dest):
+        raise ValueError(f"duplicate destination {dest_label} block ids")

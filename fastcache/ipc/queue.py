@@ -1,0 +1,85 @@
+"""The task queue's sockets: pyzmq over ipc:// in a private (0700) directory.
+
+Tasks and phase commands go out on one PUSH socket per rank, bound by the engine and written by the
+submitting thread itself (no hand-off to another thread on the hot path); a PUSH->PULL pipe with one
+peer is reliable and ordered, and with no peer connected a non-blocking send fails instead of
+dropping. Replies come back on one ROUTER, read by the engine's I/O thread; each transfer manager's
+DEALER carries its rank as identity and registers before the first task.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import zmq
+
+from .naming import PREFIX
+from .shm import _OWN_START
+
+OWNER_FILE = "owner.json"
+
+
+def make_socket_dir(suffix: str) -> str:
+    """A 0700 directory for the deployment's sockets, recording its creator for clean-up."""
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}.{suffix}.")
+    os.chmod(path, 0o700)
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        json.dump({"pid": os.getpid(), "start": _OWN_START, "suffix": suffix}, f)
+    return path
+
+
+def remove_socket_dir(path: str):
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def task_endpoint(socket_dir: str, rank: int) -> str:
+    return f"ipc://{os.path.join(socket_dir, f'tasks{rank}')}"
+
+
+def reply_endpoint(socket_dir: str) -> str:
+    return f"ipc://{os.path.join(socket_dir, 'replies')}"
+
+
+def rank_identity(rank: int) -> bytes:
+    return f"rank{rank}".encode()
+
+
+def identity_rank(identity: bytes) -> int | None:
+    text = identity.decode(errors="replace")
+    return int(text[4:]) if text.startswith("rank") and text[4:].isdigit() else None
+
+
+def _configure(sock):
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)      # never drop or block on a burst of tasks
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)   # an oversized frame is refused by zmq itself
+
+
+def bind_engine(context: zmq.Context, socket_dir: str, tp_size: int):
+    """(per-rank task PUSH sockets, reply ROUTER) of the engine."""
+    pushes = []
+    for rank in range(tp_size):
+        push = context.socket(zmq.PUSH)
+        _configure(push)
+        push.bind(task_endpoint(socket_dir, rank))
+        pushes.append(push)
+    router = context.socket(zmq.ROUTER)
+    _configure(router)
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)     # a restarted rank takes over its identity
+    router.bind(reply_endpoint(socket_dir))
+    return pushes, router
+
+
+def connect_client(context: zmq.Context, socket_dir: str, rank: int):
+    """(task PULL, reply DEALER) of rank's transfer manager."""
+    pull = context.socket(zmq.PULL)
+    _configure(pull)
+    pull.connect(task_endpoint(socket_dir, rank))
+    dealer = context.socket(zmq.DEALER)
+    _configure(dealer)
+    dealer.setsockopt(zmq.IDENTITY, rank_identity(rank))
+    dealer.connect(reply_endpoint(socket_dir))
+    return pull, dealer

@@ -1,0 +1,129 @@
+"""Named POSIX shared-memory segments with a small header naming their creator.
+
+The header lets `fastcache.tools.cleanup` tell a live deployment's segment from a dead one's, and lets an
+attacher refuse a segment that another deployment (or another user) put under the expected name.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+import numpy as np
+import posix_ipc
+import psutil
+
+MAGIC = b"FCSEG001"
+HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start time, payload bytes, suffix
+HEADER_BYTES = 64                         # payload starts cache-line aligned
+SHM_DIR = "/dev/shm"
+
+
+class SegmentError(RuntimeError):
+    """A segment is missing, foreign, or not one of ours."""
+
+
+def process_start_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+_OWN_START = process_start_time(os.getpid())
+
+
+def creator_alive(pid: int, start_time: float) -> bool:
+    """True if the process that created a segment still runs (a reused pid does not count)."""
+    if pid <= 0:
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - start_time) < 0.01
+    except psutil.Error:
+        return False
+
+
+class SharedSegment:
+    """A named segment: `create` (mode 0600, exclusive) or `attach`; `close` unlinks if we created it."""
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, owner: bool):
+        self.name = name
+        self.owner = owner
+        self._map = mmap.mmap(shm.fd, shm.size)
+        shm.close_fd()
+        self.size = len(self._map) - HEADER_BYTES
+        self.creator_pid, self.creator_start, self.suffix = read_header(self._map, name)
+        self.closed = False
+
+    @classmethod
+    def create(cls, name: str, size: int, suffix: str) -> "SharedSegment":
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES + size)
+        except posix_ipc.ExistentialError:
+            raise SegmentError(f"shared-memory segment {name} already exists (a stale deployment? "
+                               f"run python -m fastcache.tools.cleanup)") from None
+        buf = mmap.mmap(shm.fd, HEADER_BYTES)
+        buf[:HEADER.size] = HEADER.pack(MAGIC, os.getpid(), _OWN_START, size, suffix.encode()[:32])
+        buf.close()
+        return cls(name, shm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, suffix: str | None = None) -> "SharedSegment":
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise SegmentError(f"shared-memory segment {name} does not exist") from None
+        st = os.fstat(shm.fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            shm.close_fd()
+            raise SegmentError(f"refusing {name}: owned by uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}")
+        seg = cls(name, shm, owner=False)
+        if suffix is not None and seg.suffix != suffix[:32]:
+            seg.close()
+            raise SegmentError(f"refusing {name}: it belongs to deployment {seg.suffix!r}, not {suffix!r}")
+        return seg
+
+    def array(self, dtype, shape, offset: int = 0) -> np.ndarray:
+        """A NumPy view of the payload (offset in payload bytes)."""
+        return np.ndarray(shape, dtype=dtype, buffer=self._map, offset=HEADER_BYTES + offset)
+
+    def close(self):
+        """Unmap (views must be dropped first, else the mapping lives on until they are) and unlink if owner."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._map.close()
+        except BufferError:
+            pass    # a caller still holds a view; the mapping goes with it, the name goes now
+        if self.owner:
+            unlink(self.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_header(buf, name: str):
+    if len(buf) < HEADER_BYTES:
+        raise SegmentError(f"{name} is too small to be a fastcache segment")
+    magic, pid, start, _size, suffix = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise SegmentError(f"{name} is not a fastcache segment")
+    return pid, start, suffix.rstrip(b"\0").decode(errors="replace")
+
+
+def read_creator(name: str):
+    """(pid, start time, suffix) of a segment's creator, read without mapping it writable."""
+    with open(os.path.join(SHM_DIR, name.lstrip("/")), "rb") as f:
+        return read_header(f.read(HEADER_BYTES), name)
+
+
+def unlink(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False

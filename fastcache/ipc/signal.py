@@ -1,0 +1,76 @@
+"""IPCSignal: a small NumPy array in a named shared-memory segment, and the deployment's set of them."""
+from __future__ import annotations
+
+import numpy as np
+
+from .naming import signal_name
+from .shm import SharedSegment
+
+# kv_cache_status values (FastDeploy's)
+NORMAL, UPDATING, CLEARING, CLEARED = 0, 1, -1, -2
+STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED"}
+
+
+class IPCSignal:
+    """`IPCSignal(name, shape, dtype, suffix, create=True)` creates it (mode 0600); create=False attaches."""
+
+    def __init__(self, name: str, shape, dtype, suffix: str, create: bool = False):
+        self.name = name
+        dtype = np.dtype(dtype)
+        shape = tuple(shape)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        full = signal_name(suffix, name)
+        if create:
+            self._seg = SharedSegment.create(full, nbytes, suffix)
+        else:
+            self._seg = SharedSegment.attach(full, suffix)
+            if self._seg.size < nbytes:
+                self._seg.close()
+                raise ValueError(f"signal {name}: segment holds {self._seg.size} bytes, expected {nbytes}")
+        self.value = self._seg.array(dtype, shape)
+        if create:
+            self.value[...] = 0
+
+    def close(self):
+        self.value = None
+        self._seg.close()
+
+
+# name -> (shape per tp_size, dtype)
+SIGNALS = {
+    "cache_ready": (lambda tp: (tp,), np.int32),
+    "swap_space_ready": (lambda tp: (tp,), np.int32),
+    "kv_cache_status": (lambda tp: (1,), np.int32),
+    "worker_heartbeat": (lambda tp: (tp,), np.float64),
+    "transfer_heartbeat": (lambda tp: (tp,), np.float64),
+}
+
+
+class DeploymentSignals:
+    """All signals of one deployment, created by the engine and attached by workers and transfer managers."""
+
+    def __init__(self, suffix: str, tp_size: int, create: bool = False):
+        self._signals = {}
+        try:
+            for name, (shape, dtype) in SIGNALS.items():
+                self._signals[name] = IPCSignal(name, shape(tp_size), dtype, suffix, create=create)
+        except BaseException:
+            self.close()
+            raise
+        for name, sig in self._signals.items():
+            setattr(self, name, sig.value)
+
+    @property
+    def status(self) -> int:
+        return int(self.kv_cache_status[0])
+
+    @status.setter
+    def status(self, value: int):
+        self.kv_cache_status[0] = value
+
+    def close(self):
+        for name, sig in self._signals.items():
+            if hasattr(self, name):
+                delattr(self, name)
+            sig.close()
+        self._signals = {}

@@ -1,0 +1,101 @@
+"""The device interface: what workers, transfer managers and the verifier need from a device.
+
+A device exports a rank's cache tensors under their names (worker side), attaches them by name in
+another process (transfer-manager side), pins the engine-owned CPU tier, and moves the block rows of
+one task over every tensor in one call. `sim` and `cuda` implement it; callers never branch on which.
+
+The CPU tier of a rank is block-major: CPU block c holds the row of every tensor at
+`c * cpu_block_bytes + tensor.cpu_offset`, so one block of all layers is one contiguous chunk and a
+swap of n blocks moves n large chunks instead of n * tensors small rows.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..config import CacheSpec, TensorInfo
+from ..ipc.shm import SharedSegment
+
+
+class LocalCache(ABC):
+    """A rank's cache as its worker holds it: framework tensors plus the manifest that exports them."""
+    tensors: dict          # tensor name -> framework tensor
+    manifest: list         # JSON-able descriptor per tensor, in CacheSpec.tensors() order
+
+    @abstractmethod
+    def release(self):
+        """Free the memory (the caller has dropped its references to the tensors)."""
+
+
+class AttachedCache(ABC):
+    """A rank's cache tensors as another process sees them."""
+    infos: list            # TensorInfo per tensor, in CacheSpec.tensors() order
+
+    @abstractmethod
+    def read(self, index: int, blocks=None) -> np.ndarray:
+        """Host copy of tensor `index` as uint8 rows [len(blocks), block_bytes], all blocks if None
+        (verification, tests)."""
+
+    @abstractmethod
+    def write(self, index: int, rows: np.ndarray, blocks=None):
+        """Overwrite the given blocks (all if None) of tensor `index` from uint8 rows."""
+
+    @abstractmethod
+    def close(self):
+        """Drop every mapping of the tensors, so their owner can free them."""
+
+
+class SwapSpace:
+    """The engine-owned CPU tier of one rank, attached (and on CUDA pinned) by its transfer manager."""
+
+    def __init__(self, segment: SharedSegment, spec: CacheSpec):
+        self.segment = segment
+        self.rows = segment.array(np.uint8, (spec.num_cpu_blocks, spec.cpu_block_bytes))
+
+    def close(self):
+        self.rows = None
+        self.segment.close()
+
+
+class Copier(ABC):
+    """Moves the rows of a task's blocks over every tensor. One instance serves both directions;
+    swap_out and swap_in may run at the same time on two threads."""
+
+    @abstractmethod
+    def swap_out(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray):
+        """GPU blocks -> CPU blocks; returns once the bytes are in the CPU tier."""
+
+    @abstractmethod
+    def swap_in(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray):
+        """CPU blocks -> GPU blocks; returns once the bytes are on the device."""
+
+    def close(self):
+        pass
+
+
+class DeviceOps(ABC):
+    name: str
+
+    # worker side
+    @abstractmethod
+    def allocate(self, spec: CacheSpec, rank: int, device_id: int, framework: str, suffix: str,
+                 generation: int) -> LocalCache:
+        """Allocate and export every tensor of one rank."""
+
+    # transfer-manager side
+    @abstractmethod
+    def attach(self, manifest: list, infos: list[TensorInfo], suffix: str) -> AttachedCache:
+        ...
+
+    def attach_swap_space(self, segment: SharedSegment, spec: CacheSpec) -> SwapSpace:
+        return SwapSpace(segment, spec)
+
+    @abstractmethod
+    def copier(self, cache: AttachedCache, swap: SwapSpace, spec: CacheSpec) -> Copier:
+        ...
+
+
+def usable_ids(ids: np.ndarray, num_blocks: int, full: int):
+    """Index of the ids a tensor with `num_blocks` rows has (draft layers hold fewer blocks)."""
+    return None if num_blocks == full else np.flatnonzero(ids < num_blocks)

@@ -1,0 +1,576 @@
+"""The CUDA device (DESIGN §2): framework tensors exported through CUDA IPC, the engine's shared-memory
+CPU tier pinned with cudaHostRegister, and four ways to move a task's rows between them.
+
+Copy methods (FASTCACHE_COPY_METHOD):
+  staged  (default) an NVRTC kernel gathers the rows of a chunk of blocks into a device staging buffer laid
+          out like the CPU tier, the copy engine moves it in runs of consecutive CPU blocks; two staging
+          buffers per direction so the gather of chunk i+1 overlaps the DMA of chunk i (swap-in: reverse)
+  kernel  the same kernel on mapped host memory, FASTCACHE_KERNEL_BLOCKS thread blocks (default 8)
+  batch   cudaMemcpyBatchAsync (CUDA 12.8+) of the rows, merged where adjacent on both sides
+  memcpy  one cudaMemcpyAsync per merged row: the FastDeploy baseline
+
+A copier needs only per-tensor device pointers (`DeviceTensors`), so the same code serves tensors
+attached over IPC and, in the exporting process, a worker's own tensors (tests, benchmarks).
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+from cuda.bindings import driver, runtime
+
+from ..config import CacheSpec, Settings, TensorInfo
+from ..errors import TransferError
+from ..ipc.shm import SharedSegment
+from .base import AttachedCache, Copier, DeviceOps, LocalCache, SwapSpace
+from .cuda_kernels import (DeviceBuffer, create_event, create_stream, cuda_check, device_attribute, launch_rows,
+                           memcpy_async, row_kernel, set_device)
+from .frameworks import NUMPY_STORAGE, check_framework
+
+METHODS = ("staged", "kernel", "batch", "memcpy")
+PIN_CHUNK_BYTES = 256 << 20      # cudaHostRegister granularity: ~0.1 s of pinning per chunk
+STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
+IPC_HANDLE_BYTES = 64
+
+
+def _env_number(name: str, default, kind):
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a {kind.__name__}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+# -- framework specifics ---------------------------------------------------------------------------
+def _empty(framework: str, shape: tuple, dtype: str, device_id: int):
+    if framework == "torch":
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device_id}")
+    if framework == "cupy":
+        import cupy
+        with cupy.cuda.Device(device_id):
+            return cupy.empty(shape, dtype=NUMPY_STORAGE[dtype])     # CuPy has no bfloat16: uint16 bits
+    if framework == "paddle":
+        import paddle
+        return paddle.empty(shape, dtype=dtype, device=f"gpu:{device_id}")
+    raise ValueError(f"framework {framework!r} holds host memory: it needs device='sim'")
+
+
+def _data_ptr(tensor) -> int:
+    """Device address of a tensor's first element: data_ptr() (torch, paddle) or the CUDA array interface."""
+    if hasattr(tensor, "data_ptr"):
+        return int(tensor.data_ptr())
+    return int(tensor.__cuda_array_interface__["data"][0])
+
+
+def _free_cached(framework: str):
+    """Hand the framework's cached blocks back to the driver, so cudaMemGetInfo sees them free (§6)."""
+    if framework == "torch":
+        import torch
+        torch.cuda.empty_cache()
+    elif framework == "cupy":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+    elif framework == "paddle":
+        import paddle
+        paddle.device.cuda.empty_cache()
+
+
+# -- export and attach -----------------------------------------------------------------------------
+def export_tensor(info: TensorInfo, ptr: int, device_id: int) -> dict:
+    """Manifest entry: the IPC handle of the allocation holding `ptr` and the tensor's offset in it.
+    Caching allocators sub-allocate, and a handle always opens at its allocation's base."""
+    base, size = cuda_check(driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+    base = int(base)
+    try:
+        handle = cuda_check(runtime.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle({info.name})")
+    except TransferError as exc:
+        raise TransferError(f"{exc} (CUDA IPC exports cudaMalloc memory only: a virtual-memory allocator such as "
+                            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be shared)") from None
+    return {"name": info.name, "handle": ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex(),
+            "offset": ptr - base, "alloc_bytes": int(size), "nbytes": info.nbytes, "device": device_id}
+
+
+def _check_entry(entry: dict, info: TensorInfo):
+    if entry.get("name") != info.name or entry.get("nbytes") != info.nbytes:
+        raise ValueError(f"manifest entry {entry.get('name')} does not match the spec's {info.name}")
+    handle, offset, size = entry.get("handle"), entry.get("offset"), entry.get("alloc_bytes")
+    if not isinstance(handle, str) or len(handle) != 2 * IPC_HANDLE_BYTES:
+        raise ValueError(f"manifest entry {info.name} has no valid IPC handle")
+    if not all(isinstance(v, int) for v in (offset, size)) or offset < 0 or offset + info.nbytes > size:
+        raise ValueError(f"manifest entry {info.name} lies outside its allocation")
+
+
+def _open_handle(hex_handle: str) -> int:
+    handle = runtime.cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), bytes.fromhex(hex_handle), IPC_HANDLE_BYTES)
+    return int(cuda_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
+                          "cudaIpcOpenMemHandle"))
+
+
+class DeviceTensors(AttachedCache):
+    """A rank's tensors addressed by plain device pointers: all a copier needs, plus read/write for checks."""
+
+    def __init__(self, infos: list, pointers: list, device_id: int):
+        self.infos = infos
+        self.pointers = pointers
+        self.device_id = device_id
+
+    def read(self, index, blocks=None):
+        info = self.infos[index]
+        blocks = np.arange(info.num_blocks) if blocks is None else np.asarray(blocks, np.int64).reshape(-1)
+        out = np.empty((len(blocks), info.block_bytes), np.uint8)
+        self._copy_rows(index, blocks, out, runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+        return out
+
+    def write(self, index, rows, blocks=None):
+        info = self.infos[index]
+        blocks = np.arange(info.num_blocks) if blocks is None else np.asarray(blocks, np.int64).reshape(-1)
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        if rows.shape != (len(blocks), info.block_bytes):
+            raise ValueError(f"{info.name} takes rows of shape {(len(blocks), info.block_bytes)}, got {rows.shape}")
+        self._copy_rows(index, blocks, rows, runtime.cudaMemcpyKind.cudaMemcpyHostToDevice)
+
+    def _copy_rows(self, index, blocks, host, kind):
+        """cudaMemcpy between `host` rows and the tensor's `blocks`, one call per run of consecutive blocks."""
+        info = self.infos[index]
+        if len(blocks) and (blocks.min() < 0 or blocks.max() >= info.num_blocks):
+            raise ValueError(f"block ids of {info.name} must lie in [0, {info.num_blocks})")
+        set_device(self.device_id)
+        for first, block, nbytes in dma_runs(blocks, np.full(len(blocks), info.block_bytes), info.block_bytes):
+            dev = self.pointers[index] + block * info.block_bytes
+            ptr = host.ctypes.data + first * info.block_bytes
+            dst, src = (ptr, dev) if kind == runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost else (dev, ptr)
+            cuda_check(runtime.cudaMemcpy(dst, src, nbytes, kind), f"cudaMemcpy({info.name})")
+
+    def close(self):
+        self.pointers = []
+
+
+class CudaAttachedCache(DeviceTensors):
+    """Another process's tensors, each distinct allocation opened once (CUDA allows one open per process)."""
+
+    def __init__(self, manifest: list, infos: list):
+        if len(manifest) != len(infos):
+            raise ValueError(f"manifest lists {len(manifest)} tensors, the spec has {len(infos)}")
+        devices = {entry.get("device") for entry in manifest}
+        if len(devices) != 1 or not isinstance(next(iter(devices)), int):
+            raise ValueError(f"manifest tensors must share one device, got {sorted(map(str, devices))}")
+        super().__init__(infos, [], devices.pop())
+        self._bases = {}             # hex handle -> base address in this process
+        try:
+            set_device(self.device_id)
+            for entry, info in zip(manifest, infos):
+                _check_entry(entry, info)
+                if entry["handle"] not in self._bases:
+                    self._bases[entry["handle"]] = _open_handle(entry["handle"])
+                self.pointers.append(self._bases[entry["handle"]] + entry["offset"])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        super().close()
+        bases, self._bases = self._bases, {}
+        if bases:
+            set_device(self.device_id)
+        for base in bases.values():
+            cuda_check(runtime.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
+
+
+class CudaLocalCache(LocalCache):
+    def __init__(self, spec: CacheSpec, rank: int, device_id: int, framework: str):
+        self.framework, self.device_id = framework, device_id
+        self.infos = spec.tensors(rank, device_id)
+        set_device(device_id)
+        self.tensors = {info.name: _empty(framework, info.shape, info.dtype, device_id) for info in self.infos}
+        self.pointers = [_data_ptr(self.tensors[info.name]) for info in self.infos]
+        self.manifest = [export_tensor(info, ptr, device_id) for info, ptr in zip(self.infos, self.pointers)]
+
+    def view(self) -> DeviceTensors:
+        """The tensors as a copier sees them, in this process (a handle cannot be opened where it was made)."""
+        return DeviceTensors(self.infos, list(self.pointers), self.device_id)
+
+    def release(self):
+        self.tensors, self.pointers = {}, []
+        gc.collect()
+        _free_cached(self.framework)
+
+
+# -- the CPU tier ----------------------------------------------------------------------------------
+class CudaSwapSpace(SwapSpace):
+    """The CPU tier, registered (mapped, portable) chunk by chunk on a background thread: start-up does not
+    wait for a large tier, and a swap waits only for the chunks holding its CPU blocks."""
+
+    def __init__(self, segment: SharedSegment, spec: CacheSpec, device_id: int, chunk_bytes: int = PIN_CHUNK_BYTES):
+        super().__init__(segment, spec)
+        self.device_id = device_id
+        self.block_bytes = spec.cpu_block_bytes
+        self.host_ptr = self.rows.ctypes.data
+        self.pin_seconds = None                  # wall time to pin the whole tier, once done
+        page = mmap.PAGESIZE                     # whole pages, so two chunks never share one
+        start = self.host_ptr - self.host_ptr % page
+        end = -(-(self.host_ptr + self.rows.nbytes) // page) * page
+        self._chunks = [(addr, min(chunk_bytes, end - addr)) for addr in range(start, end, chunk_bytes)]
+        self._registered = []
+        self._pinned_end = start                 # every byte below this address is registered
+        self._mapping_delta = set()              # device address minus host address, per chunk
+        self._error = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._pin, name="fastcache-pin", daemon=True)
+        self._thread.start()
+
+    def _pin(self):
+        began = time.perf_counter()
+        flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable
+        try:
+            set_device(self.device_id)
+            for addr, size in self._chunks:
+                with self._cond:
+                    if self._closing:
+                        return
+                cuda_check(runtime.cudaHostRegister(addr, size, flags), f"cudaHostRegister({size} bytes)")
+                self._registered.append(addr)
+                mapped = int(cuda_check(runtime.cudaHostGetDevicePointer(addr, 0), "cudaHostGetDevicePointer"))
+                with self._cond:
+                    self._mapping_delta.add(mapped - addr)
+                    self._pinned_end = addr + size
+                    self._cond.notify_all()
+            self.pin_seconds = time.perf_counter() - began
+        except TransferError as exc:
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def wait_pinned(self, num_blocks: int | None = None):
+        """Block until CPU blocks [0, num_blocks) (default: all) are registered."""
+        end = self.host_ptr + (self.rows.shape[0] if num_blocks is None else num_blocks) * self.block_bytes
+        with self._cond:
+            while self._pinned_end < end and self._error is None and not self._closing:
+                self._cond.wait()
+            if self._error is not None:
+                raise TransferError(f"pinning the swap space failed: {self._error}")
+            if self._closing:
+                raise TransferError("the swap space is closed")
+
+    def mapped_ptr(self) -> int:
+        """Device address of the tier's first block (the kernel method reads and writes it directly)."""
+        with self._cond:
+            if len(self._mapping_delta) != 1:
+                raise TransferError("copy method 'kernel' needs the CPU tier mapped at one device range "
+                                    "(cudaDevAttrCanUseHostPointerForRegisteredMem); use 'staged'")
+            return self.host_ptr + next(iter(self._mapping_delta))
+
+    def close(self):
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        try:
+            if self._registered:
+                set_device(self.device_id)
+            while self._registered:
+                cuda_check(runtime.cudaHostUnregister(self._registered.pop()), "cudaHostUnregister")
+        finally:
+            super().close()
+
+
+# -- copiers ---------------------------------------------------------------------------------------
+class _Lane:
+    """One direction's CUDA resources: swap-out and swap-in never share a stream, a buffer or an event."""
+
+    def __init__(self, ring: int = 0, slot_bytes: int = 0):
+        self.lock = threading.Lock()
+        self.stream = create_stream()                          # kernels, or every copy of a plain lane
+        self.dma_stream = create_stream() if ring else None    # staged: bulk copies beside the kernels
+        self.slots = [DeviceBuffer(slot_bytes) for _ in range(ring)]
+        self.filled = [create_event() for _ in range(ring)]    # slot written (by gather or H2D)
+        self.drained = [create_event() for _ in range(ring)]   # slot consumed (by D2H or scatter)
+        self._ids = DeviceBuffer(0)
+
+    def upload_ids(self, *arrays) -> list[int]:
+        """Device addresses of int64 copies of `arrays`, uploaded in stream order on self.stream."""
+        data = np.concatenate([np.asarray(a, np.int64) for a in arrays])
+        if self._ids.nbytes < data.nbytes:
+            self._ids.close()
+            self._ids = DeviceBuffer(2 * data.nbytes)
+        # pageable source: the call returns once the bytes are staged, so `data` may go right after
+        memcpy_async(self._ids.ptr, data.ctypes.data, data.nbytes, False, self.stream)
+        offsets = np.cumsum([0] + [len(a) for a in arrays[:-1]]) * 8
+        return [self._ids.ptr + int(off) for off in offsets]
+
+    def sync(self):
+        for stream in (self.stream, self.dma_stream):
+            if stream is not None:
+                cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def close(self):
+        self.sync()
+        for buf in [*self.slots, self._ids]:
+            buf.close()
+        for event in [*self.filled, *self.drained]:
+            cuda_check(runtime.cudaEventDestroy(event), "cudaEventDestroy")
+        for stream in (self.stream, self.dma_stream):
+            if stream is not None:
+                cuda_check(runtime.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+class _CudaCopier(Copier):
+    """What every method shares: id checks, waiting for the pinned chunks a task touches, and one lane per
+    direction (swap_out and swap_in run on two threads; each sets the device for itself)."""
+
+    def __init__(self, cache: DeviceTensors, swap: CudaSwapSpace, spec: CacheSpec):
+        self.device_id = cache.device_id
+        self.infos = cache.infos
+        self.pointers = list(cache.pointers)
+        self.swap = swap
+        self.spec = spec
+        self.block_bytes = spec.cpu_block_bytes
+        set_device(self.device_id)
+        self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
+
+    def _new_lane(self) -> _Lane:
+        return _Lane()
+
+    def swap_out(self, gpu_ids, cpu_ids):
+        self._swap(gpu_ids, cpu_ids, to_host=True)
+
+    def swap_in(self, gpu_ids, cpu_ids):
+        self._swap(gpu_ids, cpu_ids, to_host=False)
+
+    def _swap(self, gpu_ids, cpu_ids, to_host):
+        gpu_ids = np.ascontiguousarray(gpu_ids, np.int64)
+        cpu_ids = np.ascontiguousarray(cpu_ids, np.int64)
+        if gpu_ids.shape != cpu_ids.shape or gpu_ids.ndim != 1:
+            raise ValueError(f"gpu ids {gpu_ids.shape} and cpu ids {cpu_ids.shape} must be equal-length vectors")
+        if not len(gpu_ids):
+            return
+        # a stray id would make the kernel fault and poison the context: refuse it here
+        for ids, limit, what in ((gpu_ids, self.spec.num_gpu_blocks, "gpu"), (cpu_ids, self.spec.num_cpu_blocks, "cpu")):
+            if ids.min() < 0 or ids.max() >= limit:
+                raise ValueError(f"{what} block ids must lie in [0, {limit})")
+        self.swap.wait_pinned(int(cpu_ids.max()) + 1)
+        lane = self._lanes[to_host]
+        with lane.lock:
+            set_device(self.device_id)
+            self._run(lane, gpu_ids, cpu_ids, to_host)
+
+    def _run(self, lane: _Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, to_host: bool):
+        raise NotImplementedError
+
+    def close(self):
+        lanes, self._lanes = self._lanes, {}
+        if lanes:
+            set_device(self.device_id)
+        for lane in lanes.values():
+            lane.close()
+
+
+class _RowKernel:
+    """The copy_rows kernel with this cache's tensor table on the device."""
+
+    def __init__(self, infos: list, pointers: list, device_id: int):
+        table = np.array([(ptr, i.block_bytes, i.cpu_offset, i.num_blocks) for i, ptr in zip(infos, pointers)],
+                         np.int64)
+        self.num_tensors = len(infos)
+        self.function = row_kernel(device_id)
+        self.table = DeviceBuffer(table.nbytes)
+        cuda_check(runtime.cudaMemcpy(self.table.ptr, table.ctypes.data, table.nbytes,
+                                      runtime.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy(tensor table)")
+
+    def launch(self, stream, grid, gpu_ids, slots, num_ids, tier, tier_block_bytes, to_tier):
+        grid = max(1, min(grid, num_ids * self.num_tensors))
+        launch_rows(self.function, stream, grid, self.table.ptr, self.num_tensors, gpu_ids, slots, num_ids,
+                    tier, tier_block_bytes, to_tier)
+
+    def close(self):
+        self.table.close()
+
+
+def dma_runs(cpu_ids: np.ndarray, lengths: np.ndarray, block_bytes: int):
+    """(index of first block, first cpu id, bytes) per run of consecutive cpu ids. A block shorter than a
+    whole CPU block (a draft layer lacks its rows) ends its run, so the tier keeps the bytes after it."""
+    start = np.ones(len(cpu_ids), bool)
+    start[1:] = (cpu_ids[1:] != cpu_ids[:-1] + 1) | (lengths[:-1] != block_bytes)
+    first = np.flatnonzero(start)
+    last = np.append(first[1:], len(cpu_ids)) - 1
+    nbytes = (last - first) * block_bytes + lengths[last]
+    return zip(first.tolist(), cpu_ids[first].tolist(), nbytes.tolist())
+
+
+class StagedCopier(_CudaCopier):
+    """Gather into device staging at HBM speed, then bulk DMA; chunks pipeline through a ring of buffers."""
+
+    def __init__(self, cache, swap, spec, staging_bytes: int):
+        self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_bytes)
+        super().__init__(cache, swap, spec)
+        self._kernel = _RowKernel(self.infos, self.pointers, self.device_id)
+        self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
+        sizes = np.array([i.block_bytes for i in self.infos])
+        self._row_ends = np.cumsum(sizes)
+        self._row_blocks = np.array([i.num_blocks for i in self.infos])
+        offsets = np.array([i.cpu_offset for i in self.infos])
+        # a partial block is a prefix of its CPU block: tensors side by side, those with fewer blocks last
+        if not (np.array_equal(offsets, self._row_ends - sizes) and np.all(np.diff(self._row_blocks) <= 0)):
+            raise ValueError("staged copies need tensors laid out in order, those with fewer blocks last")
+
+    def _new_lane(self):
+        return _Lane(STAGING_RING, self.chunk_blocks * self.block_bytes)
+
+    def _lengths(self, gpu_ids):
+        """Bytes of each task block present on the device: a prefix of the CPU block."""
+        present = (gpu_ids[:, None] < self._row_blocks[None, :]).sum(axis=1)
+        return self._row_ends[present - 1]
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        (ids,) = lane.upload_ids(gpu_ids)
+        lengths = self._lengths(gpu_ids) if to_host else np.full(len(gpu_ids), self.block_bytes)
+        for k, lo in enumerate(range(0, len(gpu_ids), self.chunk_blocks)):
+            hi = min(lo + self.chunk_blocks, len(gpu_ids))
+            chunk = (k % STAGING_RING, k >= STAGING_RING, ids + 8 * lo, cpu_ids[lo:hi], lengths[lo:hi])
+            (self._gather if to_host else self._scatter)(lane, *chunk)
+        lane.sync()
+
+    def _gather(self, lane, slot, reused, ids, cpu_ids, lengths):
+        stage = lane.slots[slot].ptr
+        if reused:      # its previous chunk must have left for the host
+            cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu_ids), stage, self.block_bytes, True)
+        cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.stream), "cudaEventRecord")
+        cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
+        for first, cpu_id, nbytes in dma_runs(cpu_ids, lengths, self.block_bytes):
+            memcpy_async(self.swap.host_ptr + cpu_id * self.block_bytes, stage + first * self.block_bytes, nbytes,
+                         True, lane.dma_stream)
+        cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.dma_stream), "cudaEventRecord")
+
+    def _scatter(self, lane, slot, reused, ids, cpu_ids, lengths):
+        stage = lane.slots[slot].ptr
+        if reused:      # its previous chunk must have been scattered
+            cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
+        for first, cpu_id, nbytes in dma_runs(cpu_ids, lengths, self.block_bytes):
+            memcpy_async(stage + first * self.block_bytes, self.swap.host_ptr + cpu_id * self.block_bytes, nbytes,
+                         False, lane.dma_stream)
+        cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.dma_stream), "cudaEventRecord")
+        cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu_ids), stage, self.block_bytes, False)
+        cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.stream), "cudaEventRecord")
+
+    def close(self):
+        super().close()
+        self._kernel.close()
+
+
+class KernelCopier(_CudaCopier):
+    """The row kernel reading and writing the mapped CPU tier directly, on a fixed number of thread blocks."""
+
+    def __init__(self, cache, swap, spec, blocks: int):
+        super().__init__(cache, swap, spec)
+        self.blocks = blocks
+        self._kernel = _RowKernel(self.infos, self.pointers, self.device_id)
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        ids, slots = lane.upload_ids(gpu_ids, cpu_ids)
+        self._kernel.launch(lane.stream, self.blocks, ids, slots, len(gpu_ids), self.swap.mapped_ptr(),
+                            self.block_bytes, to_host)
+        lane.sync()
+
+    def close(self):
+        super().close()
+        self._kernel.close()
+
+
+def row_copies(infos, pointers, host_ptr, block_bytes, gpu_ids, cpu_ids, to_host):
+    """(dst, src, size) of every (tensor, block) row, tensor by tensor, rows adjacent on both sides merged."""
+    gpu, cpu, size = [], [], []
+    for info, ptr in zip(infos, pointers):
+        keep = gpu_ids < info.num_blocks
+        gpu.append(ptr + gpu_ids[keep] * info.block_bytes)
+        cpu.append(host_ptr + cpu_ids[keep] * block_bytes + info.cpu_offset)
+        size.append(np.full(int(keep.sum()), info.block_bytes, np.int64))
+    gpu, cpu, size = (np.concatenate(parts) for parts in (gpu, cpu, size))
+    src, dst = (gpu, cpu) if to_host else (cpu, gpu)
+    start = np.ones(len(size), bool)
+    start[1:] = (src[1:] != src[:-1] + size[:-1]) | (dst[1:] != dst[:-1] + size[:-1])
+    first = np.flatnonzero(start)
+    return dst[first], src[first], np.add.reduceat(size, first)
+
+
+class MemcpyCopier(_CudaCopier):
+    """One cudaMemcpyAsync per merged row (FastDeploy's cache_transfer_manager does this)."""
+
+    def _rows(self, gpu_ids, cpu_ids, to_host):
+        return row_copies(self.infos, self.pointers, self.swap.host_ptr, self.block_bytes, gpu_ids, cpu_ids, to_host)
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        for dst, src, size in zip(*(a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))):
+            memcpy_async(dst, src, size, to_host, lane.stream)
+        lane.sync()
+
+
+class BatchCopier(MemcpyCopier):
+    """All rows in one cudaMemcpyBatchAsync. CUDA 12.8 has an out-parameter failIdx that CUDA 13 dropped;
+    cuda-bindings returns it after the status (12.x) or not at all (13.x), the arguments are the same."""
+
+    def __init__(self, cache, swap, spec):
+        driver_version = cuda_check(runtime.cudaDriverGetVersion(), "cudaDriverGetVersion")
+        if not hasattr(runtime, "cudaMemcpyBatchAsync") or driver_version < 12080:
+            raise TransferError(f"copy method 'batch' needs cudaMemcpyBatchAsync: a CUDA 12.8+ driver (this one "
+                                f"is {driver_version}) and cuda-bindings 12.8+")
+        super().__init__(cache, swap, spec)
+        self._attrs = runtime.cudaMemcpyAttributes()
+        self._attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        self._attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        dst, src, size = (a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))
+        cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, size, len(size), [self._attrs], [0], 1, lane.stream),
+                   "cudaMemcpyBatchAsync")
+        lane.sync()
+
+
+def make_copier(method: str, cache: DeviceTensors, swap: CudaSwapSpace, spec: CacheSpec) -> Copier:
+    """A copier of `method` over plain per-tensor device pointers (`cache.pointers`)."""
+    if method == "staged":
+        staging_mb = _env_number("FASTCACHE_STAGING_MB", 32.0, float)
+        return StagedCopier(cache, swap, spec, staging_bytes=int(staging_mb * (1 << 20)))
+    if method == "kernel":
+        return KernelCopier(cache, swap, spec, blocks=_env_number("FASTCACHE_KERNEL_BLOCKS", 8, int))
+    if method == "batch":
+        return BatchCopier(cache, swap, spec)
+    if method == "memcpy":
+        return MemcpyCopier(cache, swap, spec)
+    raise ValueError(f"unknown copy method {method!r}; expected one of {METHODS}")
+
+
+class CudaOps(DeviceOps):
+    name = "cuda"
+
+    def allocate(self, spec, rank, device_id, framework, suffix, generation):
+        check_framework(framework)
+        if framework == "numpy":
+            raise ValueError("framework 'numpy' holds host memory: it needs device='sim'")
+        return CudaLocalCache(spec, rank, device_id, framework)
+
+    def attach(self, manifest, infos, suffix):
+        return CudaAttachedCache(manifest, infos)
+
+    def attach_swap_space(self, segment, spec, device_id: int | None = None):
+        """Pin the tier through `device_id` (default: this thread's current device). Registration is
+        portable and mapped, so every device's copier may use it."""
+        if device_id is None:
+            device_id = cuda_check(runtime.cudaGetDevice(), "cudaGetDevice")
+        return CudaSwapSpace(segment, spec, device_id)
+
+    def copier(self, cache, swap, spec):
+        return make_copier(Settings.from_env().copy_method, cache, swap, spec)

@@ -1,0 +1,217 @@
+"""Low-level CUDA for the cuda device: status checks, device memory, streams, and the row-copy kernel.
+
+Everything goes through cuda-python (`cuda.bindings`); every call returns a tuple whose first element
+is the status, which `cuda_check` turns into a TransferError naming the call. The kernel is compiled
+with NVRTC for the device's architecture and the cubin is cached on disk, so a transfer manager pays
+for the compilation once per machine, not once per start.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from cuda.bindings import driver, nvrtc, runtime
+
+from ..errors import TransferError
+
+THREADS = 512          # threads per block of the row-copy kernel: one 8 KiB row per pass of int4 stores
+
+KERNEL_SOURCE = r"""
+// Copies the (tensor, block) rows of one task between the cache tensors and a block-major tier: the
+// CPU tier itself (through mapped host memory) or a device staging buffer laid out the same way.
+typedef long long i64;
+
+// dst and src are congruent modulo sizeof(T): a byte head up to T's alignment, a T body, a byte tail
+template <typename T>
+__device__ __forceinline__ void copy_as(char* dst, const char* src, i64 n) {
+  i64 head = (i64)((sizeof(T) - ((unsigned long long)dst % sizeof(T))) % sizeof(T));
+  if (head > n) head = n;
+  const i64 body = (n - head) / (i64)sizeof(T);
+  for (i64 i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+  T* d = reinterpret_cast<T*>(dst + head);
+  const T* s = reinterpret_cast<const T*>(src + head);
+  for (i64 i = threadIdx.x; i < body; i += blockDim.x) d[i] = s[i];
+  for (i64 i = head + body * (i64)sizeof(T) + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
+// rows of any size: 16-byte vectors where both sides allow it, else 4-byte words, else bytes
+__device__ __forceinline__ void copy_row(char* dst, const char* src, i64 n) {
+  const unsigned long long skew = (unsigned long long)dst ^ (unsigned long long)src;
+  if ((skew & 15) == 0) copy_as<int4>(dst, src, n);
+  else if ((skew & 3) == 0) copy_as<unsigned int>(dst, src, n);
+  else copy_as<unsigned char>(dst, src, n);
+}
+
+// table: per tensor {device address of row 0, row bytes, offset inside a tier block, number of rows}.
+// Row b of the task moves between gpu block gpu_ids[b] and tier block slots[b] (b itself if slots is null).
+extern "C" __global__ void copy_rows(const i64* __restrict__ table, int num_tensors,
+                                     const i64* __restrict__ gpu_ids, const i64* __restrict__ slots,
+                                     int num_ids, char* tier, i64 tier_block_bytes, int to_tier) {
+  const i64 work = (i64)num_ids * num_tensors;
+  for (i64 w = blockIdx.x; w < work; w += gridDim.x) {
+    const i64* t = table + 4 * (w / num_ids);
+    const i64 b = w % num_ids;
+    const i64 g = gpu_ids[b];
+    if (g >= t[3]) continue;  // draft layers hold fewer blocks
+    char* gpu = reinterpret_cast<char*>(t[0]) + g * t[1];
+    char* cpu = tier + (slots ? slots[b] : b) * tier_block_bytes + t[2];
+    if (to_tier) copy_row(cpu, gpu, t[1]);
+    else copy_row(gpu, cpu, t[1]);
+  }
+}
+"""
+KERNEL_NAME = b"copy_rows"
+
+
+def _error_text(err) -> str:
+    if isinstance(err, runtime.cudaError_t):
+        _, name = runtime.cudaGetErrorName(err)
+        _, text = runtime.cudaGetErrorString(err)
+    elif isinstance(err, driver.CUresult):
+        name, text = driver.cuGetErrorName(err)[1], driver.cuGetErrorString(err)[1]
+    else:
+        name, text = nvrtc.nvrtcGetErrorString(err)[1], b""
+    return " ".join(s.decode(errors="replace") for s in (name, text) if s)
+
+
+def cuda_check(result, call_name: str):
+    """Status of a cuda-python call -> TransferError, else the call's value (a tuple if several)."""
+    err, *values = result
+    if int(err) != 0:
+        raise TransferError(f"{call_name} failed: {_error_text(err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_initialised = set()
+
+
+def set_device(device_id: int):
+    """Make the device's primary context current on this thread (runtime and driver calls alike)."""
+    cuda_check(runtime.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
+    if device_id not in _initialised:
+        cuda_check(runtime.cudaFree(0), "cudaFree(0)")      # creates the primary context now
+        cuda_check(driver.cuInit(0), "cuInit")
+        _initialised.add(device_id)
+
+
+class DeviceBuffer:
+    """cudaMalloc'd bytes, freed on close."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(cuda_check(runtime.cudaMalloc(nbytes), f"cudaMalloc({nbytes})")) if nbytes else 0
+
+    def close(self):
+        if self.ptr:
+            cuda_check(runtime.cudaFree(self.ptr), "cudaFree")
+            self.ptr = 0
+
+
+def create_stream():
+    return cuda_check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking),
+                      "cudaStreamCreateWithFlags")
+
+
+def create_event():
+    return cuda_check(runtime.cudaEventCreateWithFlags(runtime.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, to_host: bool, stream):
+    kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost if to_host else runtime.cudaMemcpyKind.cudaMemcpyHostToDevice
+    cuda_check(runtime.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
+
+
+def device_attribute(device_id: int, name: str) -> int:
+    return cuda_check(runtime.cudaDeviceGetAttribute(getattr(runtime.cudaDeviceAttr, name), device_id),
+                      f"cudaDeviceGetAttribute({name})")
+
+
+# -- the row-copy kernel ---------------------------------------------------------------------------
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastcache"
+
+
+def _nvrtc_check(result, call_name, prog=None):
+    err, *values = result
+    if int(err) != 0:
+        log = ""
+        if prog is not None:
+            size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+            buf = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+            log = "\n" + buf.decode(errors="replace").rstrip("\0 ")
+        raise TransferError(f"{call_name} failed: {_error_text(err)}{log}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def compile_kernel(major: int, minor: int) -> bytes:
+    """A cubin for sm_{major}{minor}, or PTX for the newest architecture NVRTC knows if it lacks this one."""
+    arch = major * 10 + minor
+    supported = _nvrtc_check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    as_cubin = arch in supported
+    target = f"sm_{arch}" if as_cubin else f"compute_{max(supported)}"
+    prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"fastcache_rows.cu", 0, [], []),
+                        "nvrtcCreateProgram")
+    try:
+        options = [f"--gpu-architecture={target}".encode(), b"--std=c++17"]
+        _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "nvrtcCompileProgram", prog)
+        get_size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if as_cubin
+                         else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
+        image = b" " * _nvrtc_check(get_size(prog), get_size.__name__)
+        _nvrtc_check(get(prog, image), get.__name__)
+        return image
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def kernel_image(major: int, minor: int) -> bytes:
+    """The compiled kernel, from the on-disk cache keyed by source, architecture and NVRTC version."""
+    version = _nvrtc_check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    key = hashlib.sha256(f"{KERNEL_SOURCE}|sm_{major}{minor}|nvrtc {version}".encode()).hexdigest()
+    path = _cache_dir() / f"kernels/{key}.bin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    image = compile_kernel(major, minor)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(image)
+        os.replace(tmp, path)      # atomic: a concurrent transfer manager never reads half a file
+    except OSError:
+        pass                       # an unwritable cache only costs the next start a compilation
+    return image
+
+
+_functions: dict = {}
+_functions_lock = threading.Lock()
+
+
+def row_kernel(device_id: int):
+    """The loaded copy_rows function of the device's primary context (loaded once per process)."""
+    with _functions_lock:
+        function = _functions.get(device_id)
+        if function is None:
+            set_device(device_id)
+            major = device_attribute(device_id, "cudaDevAttrComputeCapabilityMajor")
+            minor = device_attribute(device_id, "cudaDevAttrComputeCapabilityMinor")
+            module = cuda_check(driver.cuModuleLoadData(kernel_image(major, minor)), "cuModuleLoadData")
+            function = _functions[device_id] = cuda_check(driver.cuModuleGetFunction(module, KERNEL_NAME),
+                                                          "cuModuleGetFunction")
+        return function
+
+
+def launch_rows(function, stream, grid: int, table: int, num_tensors: int, gpu_ids: int, slots: int,
+                num_ids: int, tier: int, tier_block_bytes: int, to_tier: bool):
+    """Launch copy_rows; pointers are plain ints (slots=0: row b goes to tier block b)."""
+    args = (table, num_tensors, gpu_ids, slots, num_ids, tier, tier_block_bytes, int(to_tier))
+    types = (ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+             ctypes.c_longlong, ctypes.c_int)
+    cuda_check(driver.cuLaunchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, (args, types), 0),
+               "cuLaunchKernel(copy_rows)")

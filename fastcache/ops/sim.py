@@ -1,0 +1,159 @@
+"""The simulated device: 'GPU' tensors are views of a shared-memory arena, swaps are NumPy gathers.
+
+It is the whole multi-process system minus CUDA, so it runs and is tested on any machine.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ..config import CacheSpec, TensorInfo
+from ..ipc.naming import cache_arena_name
+from ..ipc.shm import SharedSegment
+from .base import AttachedCache, Copier, DeviceOps, LocalCache, SwapSpace, usable_ids
+from .frameworks import NUMPY_STORAGE, check_framework, wrap_host_array
+
+ALIGN = 256
+
+
+def _layout(infos: list[TensorInfo]):
+    """Offset of every tensor in the rank's arena, each aligned like a caching allocator would."""
+    offsets, end = [], 0
+    for info in infos:
+        offsets.append(end)
+        end += -(-info.nbytes // ALIGN) * ALIGN
+    return offsets, end
+
+
+class SimLocalCache(LocalCache):
+    def __init__(self, spec, rank, device_id, framework, suffix, generation):
+        check_framework(framework)
+        infos = spec.tensors(rank, device_id)
+        offsets, total = _layout(infos)
+        self._arena = SharedSegment.create(cache_arena_name(suffix, rank, generation), total, suffix)
+        self.tensors, self.manifest = {}, []
+        for info, offset in zip(infos, offsets):
+            array = self._arena.array(NUMPY_STORAGE[info.dtype], info.shape, offset)
+            self.tensors[info.name] = wrap_host_array(array, info.dtype, framework)
+            self.manifest.append({"name": info.name, "segment": self._arena.name, "offset": offset,
+                                  "nbytes": info.nbytes})
+
+    def release(self):
+        self.tensors = {}
+        self._arena.close()
+
+
+class SimAttachedCache(AttachedCache):
+    def __init__(self, manifest, infos, suffix):
+        if len(manifest) != len(infos):
+            raise ValueError(f"manifest lists {len(manifest)} tensors, the spec has {len(infos)}")
+        self.infos = infos
+        self._segments = {}
+        self.rows, self.places = [], []      # places: (segment name, offset) per tensor
+        try:
+            for entry, info in zip(manifest, infos):
+                if entry["name"] != info.name or entry["nbytes"] != info.nbytes:
+                    raise ValueError(f"manifest entry {entry['name']} does not match the spec's {info.name}")
+                seg = self._segments.get(entry["segment"])
+                if seg is None:
+                    seg = self._segments[entry["segment"]] = SharedSegment.attach(entry["segment"], suffix)
+                if entry["offset"] < 0 or entry["offset"] + info.nbytes > seg.size:
+                    raise ValueError(f"manifest entry {info.name} lies outside its segment")
+                self.rows.append(seg.array(np.uint8, (info.num_blocks, info.block_bytes), entry["offset"]))
+                self.places.append((entry["segment"], entry["offset"]))
+        except BaseException:
+            self.close()
+            raise
+
+    def read(self, index, blocks=None):
+        return self.rows[index].copy() if blocks is None else self.rows[index][np.asarray(blocks)]
+
+    def write(self, index, rows, blocks=None):
+        if blocks is None:
+            self.rows[index][...] = rows
+        else:
+            self.rows[index][np.asarray(blocks)] = rows
+
+    def close(self):
+        self.rows, self.places = [], []
+        for seg in self._segments.values():
+            seg.close()
+        self._segments = {}
+
+
+class SimCopier(Copier):
+    """Vectorised gather/scatter of block rows between the arena and the block-major CPU tier.
+
+    Tensors that sit evenly spaced in one arena and side by side in the CPU block (every layer's K and V,
+    typically) are viewed as one [tensors, blocks, bytes] array, so a task costs a few NumPy calls, not
+    one per tensor.
+    """
+
+    def __init__(self, cache: "SimAttachedCache", swap: SwapSpace, spec: CacheSpec):
+        self._full = spec.num_gpu_blocks
+        # (GPU view [tensors, blocks, bytes], CPU view [cpu blocks, tensors, bytes], blocks) per group
+        self._groups = [(gpu, swap.rows[:, cols].reshape(len(swap.rows), gpu.shape[0], gpu.shape[2]), blocks)
+                        for gpu, cols, blocks in _group_tensors(cache)]
+
+    def swap_out(self, gpu_ids, cpu_ids):
+        for gpu, cpu, keep in self._plan(gpu_ids):
+            if keep is None:
+                cpu[cpu_ids] = gpu[:, gpu_ids].transpose(1, 0, 2)
+            else:       # blocks a draft layer lacks keep their old CPU bytes
+                cpu[cpu_ids[keep]] = gpu[:, gpu_ids[keep]].transpose(1, 0, 2)
+
+    def swap_in(self, gpu_ids, cpu_ids):
+        for gpu, cpu, keep in self._plan(gpu_ids):
+            if keep is None:
+                gpu[:, gpu_ids] = cpu[cpu_ids].transpose(1, 0, 2)
+            else:
+                gpu[:, gpu_ids[keep]] = cpu[cpu_ids[keep]].transpose(1, 0, 2)
+
+    def _plan(self, gpu_ids):
+        for gpu, cpu, num_blocks in self._groups:
+            yield gpu, cpu, usable_ids(gpu_ids, num_blocks, self._full)
+
+
+def _group_tensors(cache):
+    """Runs of tensors with one geometry, evenly spaced in one segment and adjacent in the CPU block,
+    each as (strided [tensors, blocks, bytes] view, CPU-block columns, blocks)."""
+    entries = list(zip(cache.rows, cache.infos, cache.places))
+    groups, i = [], 0
+    while i < len(entries):
+        j = i + 1
+        while j < len(entries) and _continues(entries, i, j):
+            j += 1
+        groups.append(_group_view(entries[i:j]))
+        i = j
+    return groups
+
+
+def _continues(entries, i, j):
+    """Does tensor j extend the run that starts at tensor i?"""
+    _, first, (segment, first_offset) = entries[i]
+    _, prev, (_, prev_offset) = entries[j - 1]
+    _, info, (seg, offset) = entries[j]
+    stride = entries[i + 1][2][1] - first_offset if j > i + 1 else offset - first_offset
+    return (seg == segment and (info.block_bytes, info.num_blocks) == (first.block_bytes, first.num_blocks)
+            and offset - prev_offset == stride >= first.nbytes
+            and info.cpu_offset == prev.cpu_offset + prev.block_bytes)
+
+
+def _group_view(run):
+    rows, first, (_, offset) = run[0]
+    stride = run[1][2][1] - offset if len(run) > 1 else first.nbytes
+    view = as_strided(rows, (len(run), first.num_blocks, first.block_bytes), (stride, first.block_bytes, 1))
+    return view, slice(first.cpu_offset, first.cpu_offset + len(run) * first.block_bytes), first.num_blocks
+
+
+class SimOps(DeviceOps):
+    name = "sim"
+
+    def allocate(self, spec, rank, device_id, framework, suffix, generation):
+        return SimLocalCache(spec, rank, device_id, framework, suffix, generation)
+
+    def attach(self, manifest, infos, suffix):
+        return SimAttachedCache(manifest, infos, suffix)
+
+    def copier(self, cache, swap, spec):
+        return SimCopier(cache, swap, spec)

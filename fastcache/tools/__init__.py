@@ -1,0 +1,1 @@
+"""Operator tools, run as python -m fastcache.tools.<name>."""

@@ -1,0 +1,276 @@
+"""The cache transfer manager: one process per rank that moves that rank's blocks.
+
+It attaches the rank's exported tensors once cache_ready[r] is set, attaches the engine-owned CPU tier,
+executes swap tasks on one thread per direction, reports each task done or failed, follows the engine
+through clear/restore, beats transfer_heartbeat[r], and exits (logging once) when its worker or its
+engine is gone. It sleeps in zmq's poll when idle.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from ..config import CacheSpec, Settings
+from ..ipc import protocol
+from ..ipc.heartbeat import Heartbeat, process_alive
+from ..ipc.barrier import BrokenBarrierError, RankBarrier
+from ..ipc.naming import manifest_name, swap_space_name
+from ..ipc.queue import connect_client
+from ..ipc.shm import SegmentError, SharedSegment
+from ..ipc.signal import DeploymentSignals
+from ..ops import get_ops
+from .scheduler import Scheduler, Task
+
+log = logging.getLogger("fastcache.transfer")
+
+EXIT_WORKER_GONE, EXIT_ENGINE_GONE = 3, 4
+INLINE_BYTES = 4 << 20      # tasks up to this size per rank run on the main thread
+EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited"}
+
+
+def read_manifest(suffix: str, rank: int) -> list:
+    with SharedSegment.attach(manifest_name(suffix, rank), suffix) as seg:
+        raw = bytes(seg.array(np.uint8, (seg.size,)))
+    return json.loads(raw.rstrip(b"\0"))
+
+
+class TransferManager:
+    def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str,
+                 engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None):
+        self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
+        self.engine_pid, self.device_id = engine_pid, device_id
+        self.settings = settings or Settings.from_env()
+        self.ops = get_ops(device)
+        self.infos = spec.tensors(rank, device_id)
+        self.signals = DeploymentSignals(suffix, tp_size)
+        self.barrier = RankBarrier(suffix, 1 + 2 * tp_size)
+        self.barrier.register(1 + rank)
+        self.context = zmq.Context()
+        self.tasks, self.sock = connect_client(self.context, socket_dir, rank)
+        self.done_pull = self.context.socket(zmq.PULL)
+        self.done_pull.bind(f"inproc://done{rank}")
+        self.cache = self.swap = self.copier = None
+        self.phase = "running"          # running | clearing | cleared | restoring
+        self.release_swap = False
+        self.scheduler = Scheduler()
+        self.queues = {kind: queue.Queue() for kind in protocol.TASK_KINDS}
+        self.queued = {kind: 0 for kind in protocol.TASK_KINDS}     # handed to the executor, not reported
+        self.executing = {}                                           # task id -> task, for the reports
+        self.threads = [threading.Thread(target=self._execute, args=(kind,), daemon=True, name=kind)
+                        for kind in protocol.TASK_KINDS]
+        self.heartbeat = Heartbeat(self.signals.transfer_heartbeat, rank, self.settings.heartbeat_interval,
+                                   check=self._check_peers)
+        self.fail_every = _fault_injection(rank)
+        self.tasks_seen = 0
+
+    # -- main loop -------------------------------------------------------------------------------
+    def run(self) -> int:
+        for t in self.threads:
+            t.start()
+        self._send("register", rank=self.rank, pid=os.getpid())
+        poller = zmq.Poller()
+        poller.register(self.tasks, zmq.POLLIN)
+        poller.register(self.done_pull, zmq.POLLIN)
+        self.heartbeat.start()
+        while True:
+            waiting = self.phase in ("clearing", "restoring") or self.cache is None or self.swap is None
+            events = dict(poller.poll(5 if waiting else 1000))
+            if self.done_pull in events:
+                self._drain_completions()
+            if self.tasks in events:
+                if self._drain_messages() == "stop":
+                    return 0
+            self._advance()
+
+    def _check_peers(self):
+        """Runs on the heartbeat thread: exit (once, logged) when the engine or the worker is gone.
+        The process owns no shared object (the engine and the worker do), so a hard exit leaks nothing."""
+        code = 0
+        if not process_alive(self.engine_pid):
+            code = EXIT_ENGINE_GONE
+        else:
+            beat = float(self.signals.worker_heartbeat[self.rank])
+            if self.cache is not None and beat and time.time() - beat > self.settings.worker_timeout:
+                code = EXIT_WORKER_GONE
+        if code:
+            log.error("rank %d: %s; exiting", self.rank, EXIT_REASONS[code])
+            logging.shutdown()
+            os._exit(code)
+
+    def _advance(self):
+        """Attach what became ready, and move clear/restore along once its preconditions hold."""
+        if self.phase in ("running", "restoring"):
+            self._try_attach()
+        if self.phase == "clearing" and not self.scheduler:
+            self._detach()
+            self._phase_barrier("clear", next_phase="cleared")
+        elif self.phase == "restoring" and self.cache is not None and self.swap is not None:
+            self._phase_barrier("restore", next_phase="running")
+
+    def _phase_barrier(self, phase, next_phase):
+        try:
+            self.barrier.wait(1 + self.rank, self.settings.phase_timeout)
+        except BrokenBarrierError as exc:
+            log.error("rank %d: %s barrier broke: %s", self.rank, phase, exc)
+            self.phase = "running" if phase == "restore" else "cleared"
+            self._send("phase_failed", phase=phase, rank=self.rank, error=str(exc))
+            return
+        self.phase = next_phase
+        self._send("phase_done", phase=phase, rank=self.rank)
+        if phase == "restore":
+            self._send("phase_done", phase="attach", rank=self.rank)
+
+    # -- attach / detach -------------------------------------------------------------------------
+    def _try_attach(self):
+        if self.swap is None:
+            try:
+                seg = SharedSegment.attach(swap_space_name(self.suffix, self.rank), self.suffix)
+            except SegmentError:
+                return
+            self.swap = self.ops.attach_swap_space(seg, self.spec)
+            self.signals.swap_space_ready[self.rank] = 1
+        if self.cache is None and self.signals.cache_ready[self.rank] == 1:
+            try:
+                self.cache = self.ops.attach(read_manifest(self.suffix, self.rank), self.infos, self.suffix)
+            except (SegmentError, ValueError) as exc:
+                log.debug("rank %d: cache not attachable yet: %s", self.rank, exc)
+                return
+            self.copier = self.ops.copier(self.cache, self.swap, self.spec)
+            log.info("rank %d: attached %d tensors", self.rank, len(self.infos))
+            if self.phase == "running":
+                self._send("phase_done", phase="attach", rank=self.rank)
+
+    def _detach(self):
+        if self.copier is not None:
+            self.copier.close()
+        if self.cache is not None:
+            self.cache.close()
+        self.copier = self.cache = None
+        if self.release_swap and self.swap is not None:
+            self.swap.close()
+            self.swap = None
+            self.signals.swap_space_ready[self.rank] = 0
+
+    # -- messages --------------------------------------------------------------------------------
+    def _drain_messages(self):
+        while True:
+            try:
+                frames = self.tasks.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                header, ids = protocol.decode(frames)
+            except protocol.ProtocolError as exc:
+                log.warning("rank %d: malformed message: %s", self.rank, exc)
+                self._send("error", error=str(exc)[:protocol.MAX_ERROR_CHARS])
+                continue
+            kind = header["type"]
+            if kind == "task":
+                self._on_task(header, ids)
+            elif kind == "clear":
+                self.phase, self.release_swap = "clearing", header["release_swap_space"]
+            elif kind == "restore":
+                self.phase = "restoring"
+            elif kind == "stop":
+                return "stop"
+            else:
+                self._send("error", error=f"unexpected message type {kind!r} for a transfer manager")
+
+    def _on_task(self, header, ids):
+        task_id = header["task_id"]
+        try:
+            if self.phase != "running" or self.copier is None:
+                raise ValueError(f"rank {self.rank} has no cache attached (phase {self.phase})")
+            protocol.check_ids(ids[0], ids[1], header["kind"], self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
+        except ValueError as exc:
+            self._send("failed", task_id=task_id, rank=self.rank, error=str(exc))
+            return
+        self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1])))
+
+    def _dispatch(self, tasks):
+        """Small tasks on an idle direction run right here: a thread hand-off costs more than their copy."""
+        for task in tasks:
+            if self.queued[task.kind] == 0 and self.spec.task_bytes(task.gpu_ids) <= INLINE_BYTES:
+                self._finished(task, self._run(task))
+            else:
+                self.queued[task.kind] += 1
+                self.queues[task.kind].put(task)
+
+    def _finished(self, task, reply):
+        self.sock.send_multipart(reply)
+        self._dispatch(self.scheduler.complete(task.task_id))
+
+    def _drain_completions(self):
+        while True:
+            try:
+                frames = self.done_pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            task = self.executing.pop(int(frames[0]))
+            self.queued[task.kind] -= 1
+            self._finished(task, frames[1:])
+
+    def _send(self, type_, **fields):
+        self.sock.send_multipart(protocol.encode(type_, **fields))
+
+    # -- executors (one thread per direction) ----------------------------------------------------
+    def _execute(self, kind):
+        push = self.context.socket(zmq.PUSH)
+        push.connect(f"inproc://done{self.rank}")
+        while True:
+            task = self.queues[kind].get()
+            if task is None:
+                push.close(0)
+                return
+            self.executing[task.task_id] = task
+            push.send_multipart([b"%d" % task.task_id] + self._run(task))
+
+    def _run(self, task) -> list[bytes]:
+        """Execute one task; returns the reply. A failed copy fails its task, never the process."""
+        start = time.perf_counter()
+        try:
+            self._maybe_fail(task)
+            if task.kind == protocol.SWAP_TO_CPU:
+                self.copier.swap_out(task.gpu_ids, task.cpu_ids)
+            else:
+                self.copier.swap_in(task.gpu_ids, task.cpu_ids)
+        except Exception as exc:
+            log.error("rank %d: task %d failed: %s", self.rank, task.task_id, exc)
+            return protocol.encode("failed", task_id=task.task_id, rank=self.rank,
+                                   error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
+        return protocol.encode("done", task_id=task.task_id, rank=self.rank,
+                               nbytes=self.spec.task_bytes(task.gpu_ids), seconds=time.perf_counter() - start)
+
+    def _maybe_fail(self, task):
+        self.tasks_seen += 1
+        if self.fail_every and self.tasks_seen % self.fail_every == 0:
+            raise RuntimeError(f"injected fault (FASTCACHE_FAIL_EVERY) on task {task.task_id}")
+
+    def close(self):
+        self.heartbeat.stop()
+        for kind, thread in zip(protocol.TASK_KINDS, self.threads):
+            self.queues[kind].put(None)
+            thread.join(timeout=5)
+        self.release_swap = True
+        self._detach()
+        self.sock.close(0)
+        self.tasks.close(0)
+        self.done_pull.close(0)
+        self.context.term()
+        self.barrier.close()
+        self.signals.close()
+
+def _fault_injection(rank) -> int:
+    """FASTCACHE_FAIL_EVERY=RANK:N makes every Nth task of that rank fail (fault-injection tests)."""
+    raw = os.environ.get("FASTCACHE_FAIL_EVERY", "")
+    if ":" not in raw:
+        return 0
+    target, every = raw.split(":", 1)
+    return int(every) if target.isdigit() and int(target) == rank and every.isdigit() else 0

@@ -1,0 +1,147 @@
+"""CacheWorker: the part of a GPU worker (the engine's model runner) that owns one rank's KV cache.
+
+It allocates the rank's tensors with the user's framework, exports them by name, sets cache_ready[r],
+beats worker_heartbeat[r], and follows kv_cache_status through clear/restore on its own thread.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import numpy as np
+
+from ..config import CacheSpec, Settings
+from ..ipc.barrier import RankBarrier
+from ..ipc.heartbeat import Heartbeat
+from ..ipc.naming import manifest_name
+from ..ipc.shm import SharedSegment
+from ..ipc.signal import CLEARING, UPDATING, DeploymentSignals
+from ..ops import get_ops
+from ..ops.frameworks import check_framework
+
+log = logging.getLogger("fastcache.worker")
+
+# Workers started in this process, by deployment: SwapBackend.close() closes the ones left running.
+_LOCAL_WORKERS: dict[str, list] = {}
+
+
+def close_local_workers(suffix: str):
+    for worker in list(_LOCAL_WORKERS.pop(suffix, [])):
+        worker.close()
+
+
+class CacheWorker:
+    def __init__(self, spec: CacheSpec, rank: int, tp_size: int, device: str = "sim", suffix: str = "",
+                 framework: str = "numpy", device_id: int | None = None, settings: Settings | None = None):
+        if not suffix:
+            raise ValueError("suffix is required: pass the deployment's SwapBackend.suffix")
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} out of range for tp_size {tp_size}")
+        check_framework(framework)
+        self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
+        self.framework = framework
+        self.device_id = rank if device_id is None else device_id
+        self.settings = settings or Settings.from_env()
+        self.ops = get_ops(device)
+        self.generation = 0
+        self._cache = None
+        self._manifest = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.signals = self.barrier = None
+
+    # -- the tensors -----------------------------------------------------------------------------
+    def _tensors(self, kind):
+        if self._cache is None:
+            return []
+        return [t for info, t in zip(self.spec.tensors(self.rank, self.device_id), self._cache.tensors.values())
+                if info.kind == kind]
+
+    key_caches = property(lambda self: self._tensors("key_caches"))
+    value_caches = property(lambda self: self._tensors("value_caches"))
+    key_cache_scales = property(lambda self: self._tensors("key_cache_scales"))
+    value_cache_scales = property(lambda self: self._tensors("value_cache_scales"))
+
+    @property
+    def ready(self) -> bool:
+        return self._cache is not None
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self):
+        """Allocate and export the cache, set cache_ready[r]=1, and start beating."""
+        self.signals = DeploymentSignals(self.suffix, self.tp_size)
+        self.barrier = RankBarrier(self.suffix, 1 + 2 * self.tp_size)
+        self.barrier.register(self._party)
+        self._allocate()
+        self._heartbeat = Heartbeat(self.signals.worker_heartbeat, self.rank, self.settings.heartbeat_interval)
+        self._heartbeat.start()
+        self._thread = threading.Thread(target=self._watch, name=f"fastcache-worker{self.rank}", daemon=True)
+        self._thread.start()
+        _LOCAL_WORKERS.setdefault(self.suffix, []).append(self)
+        return self
+
+    @property
+    def _party(self):
+        return 1 + self.tp_size + self.rank
+
+    def _allocate(self):
+        self.generation += 1
+        self._cache = self.ops.allocate(self.spec, self.rank, self.device_id, self.framework, self.suffix,
+                                        self.generation)
+        payload = json.dumps(self._cache.manifest).encode()
+        self._manifest = SharedSegment.create(manifest_name(self.suffix, self.rank), len(payload), self.suffix)
+        self._manifest.array(np.uint8, (len(payload),))[:] = np.frombuffer(payload, np.uint8)
+        self.signals.cache_ready[self.rank] = 1
+
+    def _release(self):
+        if self._manifest is not None:
+            self._manifest.close()
+            self._manifest = None
+        if self._cache is not None:
+            self._cache.release()
+            self._cache = None
+        self.signals.cache_ready[self.rank] = 0     # only now is the memory really free
+
+    def _watch(self):
+        """Follow kv_cache_status through clear and restore (DESIGN §6)."""
+        failed_status = None
+        while not self._stop.wait(0.005):
+            status = self.signals.status
+            if status == failed_status:
+                continue        # this phase already failed here; wait for the engine's next move
+            failed_status = None
+            try:
+                if status == CLEARING and self._cache is not None:
+                    # free only once every transfer manager has dropped its mappings
+                    self.barrier.wait(self._party, self.settings.phase_timeout)
+                    self._release()
+                elif status == UPDATING and self._cache is None:
+                    self._allocate()
+                    self.barrier.wait(self._party, self.settings.phase_timeout)
+            except Exception as exc:    # a failed phase leaves the cache as it is; the engine reports it
+                log.error("rank %d: %s phase failed (%s); keeping the cache as it is", self.rank,
+                          "clear" if status == CLEARING else "restore", exc)
+                failed_status = status
+
+    def close(self):
+        """Stop beating, free the cache, and detach from the deployment."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._heartbeat.stop()
+            self._thread = None
+        if self in _LOCAL_WORKERS.get(self.suffix, ()):
+            _LOCAL_WORKERS[self.suffix].remove(self)
+        if self.signals is not None:
+            self._release()
+            self.signals.worker_heartbeat[self.rank] = 0
+            self.barrier.close()
+            self.signals.close()
+            self.signals = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,26 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+def requirements(name):
+    lines = Path(__file__).with_name(name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="fastcache",
+    version="0.1.0",
+    description="KV-cache block transfer daemon (GPU <-> pinned CPU) for LLM serving",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fastcache", "fastcache.*"]),
+    python_requires=">=3.10",
+    install_requires=requirements("requirements.txt"),
+    extras_require={
+        "test": requirements("requirements-test.txt"),
+        "paddle": ["paddlepaddle==3.3.1"],
+        "torch": ["torch>=2.4"],
+        "cuda": ["cuda-bindings>=12.8", "cuda-core>=0.3"],
+    },
+)
