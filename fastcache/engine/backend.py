@@ -54,6 +54,7 @@ class SwapBackend:
         self.suffix = suffix or new_suffix()
         self.settings = settings or Settings.from_env()
         self.device_ids = list(device_ids) if device_ids is not None else list(range(tp_size))
+        self._check_fits()
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self._handles: dict[int, TransferHandle] = {}
         self._handles_lock = threading.Lock()
@@ -83,7 +84,6 @@ class SwapBackend:
             return self
         from ..tools.cleanup import remove_dead
         remove_dead()
-        self._check_fits()
         self._started = True
         try:
             self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True)

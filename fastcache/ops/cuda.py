@@ -28,8 +28,7 @@ from ..config import CacheSpec, Settings, TensorInfo
 from ..errors import TransferError
 from ..ipc.shm import SharedSegment
 from .base import AttachedCache, Copier, DeviceOps, LocalCache, SwapSpace
-from .cuda_kernels import (DeviceBuffer, create_event, create_stream, cuda_check, device_attribute, launch_rows,
-                           memcpy_async, row_kernel, set_device)
+from .cuda_kernels import Lane, RowKernel, cuda_check, device_attribute, memcpy_async, set_device
 from .frameworks import NUMPY_STORAGE, check_framework
 
 METHODS = ("staged", "kernel", "batch", "memcpy")
@@ -215,7 +214,7 @@ class CudaSwapSpace(SwapSpace):
     def __init__(self, segment: SharedSegment, spec: CacheSpec, device_id: int, chunk_bytes: int = PIN_CHUNK_BYTES):
         super().__init__(segment, spec)
         self.device_id = device_id
-        self.block_bytes = spec.cpu_block_bytes
+        self.block_bytes, self.num_blocks = spec.cpu_block_bytes, spec.num_cpu_blocks
         self.host_ptr = self.rows.ctypes.data
         self.pin_seconds = None                  # wall time to pin the whole tier, once done
         page = mmap.PAGESIZE                     # whole pages, so two chunks never share one
@@ -236,7 +235,7 @@ class CudaSwapSpace(SwapSpace):
         flags = runtime.cudaHostRegisterMapped | runtime.cudaHostRegisterPortable
         try:
             set_device(self.device_id)
-            for addr, size in self._chunks:
+            for k, (addr, size) in enumerate(self._chunks):
                 with self._cond:
                     if self._closing:
                         return
@@ -246,16 +245,17 @@ class CudaSwapSpace(SwapSpace):
                 with self._cond:
                     self._mapping_delta.add(mapped - addr)
                     self._pinned_end = addr + size
+                    if k == len(self._chunks) - 1:      # set before any waiter for the whole tier wakes
+                        self.pin_seconds = time.perf_counter() - began
                     self._cond.notify_all()
-            self.pin_seconds = time.perf_counter() - began
-        except TransferError as exc:
+        except Exception as exc:        # reported to every waiter: a silent pin thread would hang swaps
             with self._cond:
                 self._error = exc
                 self._cond.notify_all()
 
     def wait_pinned(self, num_blocks: int | None = None):
         """Block until CPU blocks [0, num_blocks) (default: all) are registered."""
-        end = self.host_ptr + (self.rows.shape[0] if num_blocks is None else num_blocks) * self.block_bytes
+        end = self.host_ptr + (self.num_blocks if num_blocks is None else num_blocks) * self.block_bytes
         with self._cond:
             while self._pinned_end < end and self._error is None and not self._closing:
                 self._cond.wait()
@@ -287,45 +287,6 @@ class CudaSwapSpace(SwapSpace):
 
 
 # -- copiers ---------------------------------------------------------------------------------------
-class _Lane:
-    """One direction's CUDA resources: swap-out and swap-in never share a stream, a buffer or an event."""
-
-    def __init__(self, ring: int = 0, slot_bytes: int = 0):
-        self.lock = threading.Lock()
-        self.stream = create_stream()                          # kernels, or every copy of a plain lane
-        self.dma_stream = create_stream() if ring else None    # staged: bulk copies beside the kernels
-        self.slots = [DeviceBuffer(slot_bytes) for _ in range(ring)]
-        self.filled = [create_event() for _ in range(ring)]    # slot written (by gather or H2D)
-        self.drained = [create_event() for _ in range(ring)]   # slot consumed (by D2H or scatter)
-        self._ids = DeviceBuffer(0)
-
-    def upload_ids(self, *arrays) -> list[int]:
-        """Device addresses of int64 copies of `arrays`, uploaded in stream order on self.stream."""
-        data = np.concatenate([np.asarray(a, np.int64) for a in arrays])
-        if self._ids.nbytes < data.nbytes:
-            self._ids.close()
-            self._ids = DeviceBuffer(2 * data.nbytes)
-        # pageable source: the call returns once the bytes are staged, so `data` may go right after
-        memcpy_async(self._ids.ptr, data.ctypes.data, data.nbytes, False, self.stream)
-        offsets = np.cumsum([0] + [len(a) for a in arrays[:-1]]) * 8
-        return [self._ids.ptr + int(off) for off in offsets]
-
-    def sync(self):
-        for stream in (self.stream, self.dma_stream):
-            if stream is not None:
-                cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-
-    def close(self):
-        self.sync()
-        for buf in [*self.slots, self._ids]:
-            buf.close()
-        for event in [*self.filled, *self.drained]:
-            cuda_check(runtime.cudaEventDestroy(event), "cudaEventDestroy")
-        for stream in (self.stream, self.dma_stream):
-            if stream is not None:
-                cuda_check(runtime.cudaStreamDestroy(stream), "cudaStreamDestroy")
-
-
 class _CudaCopier(Copier):
     """What every method shares: id checks, waiting for the pinned chunks a task touches, and one lane per
     direction (swap_out and swap_in run on two threads; each sets the device for itself)."""
@@ -340,8 +301,8 @@ class _CudaCopier(Copier):
         set_device(self.device_id)
         self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
 
-    def _new_lane(self) -> _Lane:
-        return _Lane()
+    def _new_lane(self) -> Lane:
+        return Lane()
 
     def swap_out(self, gpu_ids, cpu_ids):
         self._swap(gpu_ids, cpu_ids, to_host=True)
@@ -366,7 +327,7 @@ class _CudaCopier(Copier):
             set_device(self.device_id)
             self._run(lane, gpu_ids, cpu_ids, to_host)
 
-    def _run(self, lane: _Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, to_host: bool):
+    def _run(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, to_host: bool):
         raise NotImplementedError
 
     def close(self):
@@ -375,27 +336,6 @@ class _CudaCopier(Copier):
             set_device(self.device_id)
         for lane in lanes.values():
             lane.close()
-
-
-class _RowKernel:
-    """The copy_rows kernel with this cache's tensor table on the device."""
-
-    def __init__(self, infos: list, pointers: list, device_id: int):
-        table = np.array([(ptr, i.block_bytes, i.cpu_offset, i.num_blocks) for i, ptr in zip(infos, pointers)],
-                         np.int64)
-        self.num_tensors = len(infos)
-        self.function = row_kernel(device_id)
-        self.table = DeviceBuffer(table.nbytes)
-        cuda_check(runtime.cudaMemcpy(self.table.ptr, table.ctypes.data, table.nbytes,
-                                      runtime.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy(tensor table)")
-
-    def launch(self, stream, grid, gpu_ids, slots, num_ids, tier, tier_block_bytes, to_tier):
-        grid = max(1, min(grid, num_ids * self.num_tensors))
-        launch_rows(self.function, stream, grid, self.table.ptr, self.num_tensors, gpu_ids, slots, num_ids,
-                    tier, tier_block_bytes, to_tier)
-
-    def close(self):
-        self.table.close()
 
 
 def dma_runs(cpu_ids: np.ndarray, lengths: np.ndarray, block_bytes: int):
@@ -413,20 +353,20 @@ class StagedCopier(_CudaCopier):
     """Gather into device staging at HBM speed, then bulk DMA; chunks pipeline through a ring of buffers."""
 
     def __init__(self, cache, swap, spec, staging_bytes: int):
-        self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_bytes)
-        super().__init__(cache, swap, spec)
-        self._kernel = _RowKernel(self.infos, self.pointers, self.device_id)
-        self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
-        sizes = np.array([i.block_bytes for i in self.infos])
+        sizes = np.array([i.block_bytes for i in cache.infos])
         self._row_ends = np.cumsum(sizes)
-        self._row_blocks = np.array([i.num_blocks for i in self.infos])
-        offsets = np.array([i.cpu_offset for i in self.infos])
+        self._row_blocks = np.array([i.num_blocks for i in cache.infos])
+        offsets = np.array([i.cpu_offset for i in cache.infos])
         # a partial block is a prefix of its CPU block: tensors side by side, those with fewer blocks last
         if not (np.array_equal(offsets, self._row_ends - sizes) and np.all(np.diff(self._row_blocks) <= 0)):
             raise ValueError("staged copies need tensors laid out in order, those with fewer blocks last")
+        self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_bytes)
+        super().__init__(cache, swap, spec)
+        self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
+        self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
 
     def _new_lane(self):
-        return _Lane(STAGING_RING, self.chunk_blocks * self.block_bytes)
+        return Lane(STAGING_RING, self.chunk_blocks * self.block_bytes)
 
     def _lengths(self, gpu_ids):
         """Bytes of each task block present on the device: a prefix of the CPU block."""
@@ -477,7 +417,7 @@ class KernelCopier(_CudaCopier):
     def __init__(self, cache, swap, spec, blocks: int):
         super().__init__(cache, swap, spec)
         self.blocks = blocks
-        self._kernel = _RowKernel(self.infos, self.pointers, self.device_id)
+        self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
 
     def _run(self, lane, gpu_ids, cpu_ids, to_host):
         ids, slots = lane.upload_ids(gpu_ids, cpu_ids)

@@ -1,4 +1,5 @@
-"""Low-level CUDA for the cuda device: status checks, device memory, streams, and the row-copy kernel.
+"""Low-level CUDA for the cuda device: status checks, device memory, per-direction streams and staging
+buffers, and the row-copy kernel.
 
 Everything goes through cuda-python (`cuda.bindings`); every call returns a tuple whose first element
 is the status, which `cuda_check` turns into a TransferError naming the call. The kernel is compiled
@@ -12,6 +13,8 @@ import hashlib
 import os
 import threading
 from pathlib import Path
+
+import numpy as np
 
 from cuda.bindings import driver, nvrtc, runtime
 
@@ -131,6 +134,45 @@ def device_attribute(device_id: int, name: str) -> int:
                       f"cudaDeviceGetAttribute({name})")
 
 
+class Lane:
+    """One direction's CUDA resources: swap-out and swap-in never share a stream, a buffer or an event."""
+
+    def __init__(self, ring: int = 0, slot_bytes: int = 0):
+        self.lock = threading.Lock()
+        self.stream = create_stream()                          # kernels, or every copy of a plain lane
+        self.dma_stream = create_stream() if ring else None    # staged: bulk copies beside the kernels
+        self.slots = [DeviceBuffer(slot_bytes) for _ in range(ring)]
+        self.filled = [create_event() for _ in range(ring)]    # slot written (by gather or H2D)
+        self.drained = [create_event() for _ in range(ring)]   # slot consumed (by D2H or scatter)
+        self._ids = DeviceBuffer(0)
+
+    def upload_ids(self, *arrays) -> list[int]:
+        """Device addresses of int64 copies of `arrays`, uploaded in stream order on self.stream."""
+        data = np.concatenate([np.asarray(a, np.int64) for a in arrays])
+        if self._ids.nbytes < data.nbytes:
+            self._ids.close()
+            self._ids = DeviceBuffer(2 * data.nbytes)
+        # pageable source: the call returns once the bytes are staged, so `data` may go right after
+        memcpy_async(self._ids.ptr, data.ctypes.data, data.nbytes, False, self.stream)
+        offsets = np.cumsum([0] + [len(a) for a in arrays[:-1]]) * 8
+        return [self._ids.ptr + int(off) for off in offsets]
+
+    def sync(self):
+        for stream in (self.stream, self.dma_stream):
+            if stream is not None:
+                cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def close(self):
+        self.sync()
+        for buf in [*self.slots, self._ids]:
+            buf.close()
+        for event in [*self.filled, *self.drained]:
+            cuda_check(runtime.cudaEventDestroy(event), "cudaEventDestroy")
+        for stream in (self.stream, self.dma_stream):
+            if stream is not None:
+                cuda_check(runtime.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
 # -- the row-copy kernel ---------------------------------------------------------------------------
 def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastcache"
@@ -215,3 +257,24 @@ def launch_rows(function, stream, grid: int, table: int, num_tensors: int, gpu_i
              ctypes.c_longlong, ctypes.c_int)
     cuda_check(driver.cuLaunchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, (args, types), 0),
                "cuLaunchKernel(copy_rows)")
+
+
+class RowKernel:
+    """The copy_rows kernel with this cache's tensor table on the device."""
+
+    def __init__(self, infos: list, pointers: list, device_id: int):
+        table = np.array([(ptr, i.block_bytes, i.cpu_offset, i.num_blocks) for i, ptr in zip(infos, pointers)],
+                         np.int64)
+        self.num_tensors = len(infos)
+        self.function = row_kernel(device_id)
+        self.table = DeviceBuffer(table.nbytes)
+        cuda_check(runtime.cudaMemcpy(self.table.ptr, table.ctypes.data, table.nbytes,
+                                      runtime.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy(tensor table)")
+
+    def launch(self, stream, grid, gpu_ids, slots, num_ids, tier, tier_block_bytes, to_tier):
+        grid = max(1, min(grid, num_ids * self.num_tensors))
+        launch_rows(self.function, stream, grid, self.table.ptr, self.num_tensors, gpu_ids, slots, num_ids,
+                    tier, tier_block_bytes, to_tier)
+
+    def close(self):
+        self.table.close()

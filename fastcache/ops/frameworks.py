@@ -24,7 +24,8 @@ def wrap_host_array(array: np.ndarray, dtype: str, framework: str):
         return array
     if framework == "paddle":
         import paddle
-        # Paddle reads DLPack uint16 as bfloat16, which is what bf16 storage means here
+        if dtype == "bfloat16":     # Paddle views int16 (not uint16) bits as bfloat16
+            return paddle.utils.dlpack.from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
         return paddle.utils.dlpack.from_dlpack(array)
     if framework == "torch":
         import torch

@@ -1,0 +1,98 @@
+"""Shared fixtures. Every test runs under `no_leaks`: a test that leaves a /dev/shm entry, a socket
+directory or a child process behind fails (and its leftovers are removed so the next test starts clean)."""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import tempfile
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from fastcache import CacheSpec, SwapBackend
+from fastcache.ipc.shm import SHM_DIR, unlink
+from fastcache.worker import CacheWorker
+
+
+def _shm_entries():
+    return {e for e in os.listdir(SHM_DIR) if e.startswith("fastcache.")}
+
+
+def _socket_dirs():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "fastcache.*")))
+
+
+def _children():
+    """Child processes, less multiprocessing's own long-lived helper (the resource tracker)."""
+    kids = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
+                kids[p.pid] = p
+        except psutil.Error:
+            pass
+    return kids
+
+
+def _running(proc):
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    shm_before, dirs_before, kids_before = _shm_entries(), _socket_dirs(), set(_children())
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kids = {pid: p for pid, p in _children().items() if pid not in kids_before and _running(p)}
+        if not kids and not (_shm_entries() - shm_before) and not (_socket_dirs() - dirs_before):
+            return
+        time.sleep(0.05)
+    shm, dirs = _shm_entries() - shm_before, _socket_dirs() - dirs_before
+    for p in kids.values():
+        p.kill()
+    for entry in shm:
+        unlink("/" + entry)
+    pytest.fail(f"test leaked: /dev/shm {sorted(shm)}, socket dirs {sorted(dirs)}, "
+                f"processes {sorted(kids)}")
+
+
+def small_spec(**overrides) -> CacheSpec:
+    base = dict(num_layers=3, num_gpu_blocks=24, num_cpu_blocks=16, block_size=4, num_kv_heads=2, head_dim=8,
+                cache_dtype="bfloat16")
+    base.update(overrides)
+    return CacheSpec(**base)
+
+
+@contextlib.contextmanager
+def deployment(spec: CacheSpec, tp: int = 1, framework: str = "numpy", **backend_kwargs):
+    """A running SwapBackend with in-process workers, ready for swaps."""
+    with SwapBackend(spec, tp_size=tp, device="sim", **backend_kwargs) as backend:
+        workers = [CacheWorker(spec, rank=r, tp_size=tp, device="sim", suffix=backend.suffix,
+                               framework=framework).start() for r in range(tp)]
+        backend.wait_ready(timeout=30)
+        try:
+            yield backend, workers
+        finally:
+            for w in workers:
+                w.close()
+
+
+def all_tensors(worker):
+    """Every tensor of a worker, in CacheSpec.tensors() order, as NumPy uint8 rows [blocks, block_bytes]."""
+    tensors = []
+    for info, tensor in zip(worker.spec.tensors(worker.rank, worker.device_id), worker._cache.tensors.values()):
+        array = np.asarray(tensor) if isinstance(tensor, np.ndarray) else tensor.numpy()
+        tensors.append(array.view(np.uint8).reshape(info.num_blocks, info.block_bytes))
+    return tensors
+
+
+def randomize(worker, rng):
+    for rows in all_tensors(worker):
+        rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)

@@ -1,0 +1,221 @@
+"""Clear and restore around RL weight updates (DESIGN §6) on the sim device."""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastcache import SwapBackend, TransferError
+from fastcache.ipc.signal import CLEARED, NORMAL
+from fastcache.launch import shm_bytes, start_workers, stop_workers
+from fastcache.worker import CacheWorker
+
+from conftest import all_tensors, deployment, randomize, small_spec
+
+
+def cache_segments(suffix):
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"fastcache.{suffix}.cache_rank"))
+
+
+def round_trip(backend, workers, rng, n=4):
+    spec = backend.spec
+    for w in workers:
+        randomize(w, rng)
+    src = rng.choice(spec.num_gpu_blocks, n, replace=False)
+    cpu = np.array(backend.allocate_cpu_blocks(n))
+    want = [[rows[src].copy() for rows in all_tensors(w)] for w in workers]
+    backend.swap_out(src, cpu).result(timeout=20)
+    for w in workers:
+        randomize(w, rng)
+    dst = rng.choice(spec.num_gpu_blocks, n, replace=False)
+    backend.swap_in(dst, cpu).result(timeout=20)
+    for w, rows_wanted in zip(workers, want):
+        for rows, wanted in zip(all_tensors(w), rows_wanted):
+            assert np.array_equal(rows[dst], wanted)
+    backend.free_cpu_blocks(cpu.tolist())
+
+
+def test_clear_frees_shared_memory_and_restore_brings_new_tensors():
+    rng = np.random.default_rng(1)
+    spec = small_spec(num_gpu_blocks=256)
+    with deployment(spec, tp=2) as (backend, workers):
+        round_trip(backend, workers, rng)
+        old = workers[0].key_caches[0]
+        assert len(cache_segments(backend.suffix)) == 2
+        backend.allocate_cpu_blocks(3)
+        del old                                        # the engine lets go of its views first
+        backend.clear_caches(timeout=30)
+        assert backend.status == CLEARED
+        assert cache_segments(backend.suffix) == []    # the cache's bytes are gone from /dev/shm
+        assert workers[0].key_caches == [] and not backend.signals.cache_ready.any()
+        assert backend.allocator.num_free == spec.num_cpu_blocks     # every cached block is stale
+        with pytest.raises(TransferError, match="CLEARED"):
+            backend.swap_out([1], [1])
+        backend.clear_caches(timeout=30)               # idempotent
+        backend.restore_caches(timeout=30)
+        assert backend.status == NORMAL and len(cache_segments(backend.suffix)) == 2
+        assert len(workers[1].value_caches) == spec.num_layers
+        round_trip(backend, workers, rng)
+
+
+def test_twenty_cycles_stay_bit_exact_and_leak_nothing():
+    rng = np.random.default_rng(2)
+    spec = small_spec(num_gpu_blocks=64)
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        backend.cpu_tier(0)[...] = 1
+        backend.cpu_tier(1)[...] = 1
+        baseline = shm_bytes(backend.suffix)        # every page touched
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            round_trip(backend, workers, rng)
+            backend.clear_caches(timeout=30)
+            assert shm_bytes(backend.suffix) < baseline
+            backend.restore_caches(timeout=30)
+        round_trip(backend, workers, rng)
+        assert shm_bytes(backend.suffix) <= baseline + 64 * 1024
+        assert len(os.listdir("/proc/self/fd")) <= fds + 2
+
+
+def test_clear_releases_swap_space_when_configured(monkeypatch):
+    monkeypatch.setenv("FASTCACHE_CLEAR_SWAP_SPACE", "1")
+    rng = np.random.default_rng(3)
+    with deployment(small_spec(cache_dtype="block_wise_fp8"), tp=2) as (backend, workers):
+        round_trip(backend, workers, rng)
+        backend.clear_caches(timeout=30)
+        left = [e for e in os.listdir("/dev/shm") if e.startswith(f"fastcache.{backend.suffix}.swap")]
+        assert left == [] and not backend.signals.swap_space_ready.any()
+        with pytest.raises(TransferError, match="no CPU tier"):
+            backend.cpu_tier(0)
+        backend.restore_caches(timeout=30)
+        assert backend.signals.swap_space_ready.all()
+        round_trip(backend, workers, rng)
+
+
+def test_clear_waits_for_swaps_in_flight():
+    rng = np.random.default_rng(4)
+    spec = small_spec(num_gpu_blocks=512, num_cpu_blocks=512, head_dim=256)
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        want = [[rows.copy() for rows in all_tensors(w)] for w in workers]
+        handles = [backend.swap_out(np.arange(i, 512, 8), np.arange(i, 512, 8)) for i in range(8)]
+        backend.clear_caches(timeout=30)
+        for h in handles:
+            h.result(timeout=0)                     # all finished (successfully) before the clear went on
+        for r, rows_wanted in enumerate(want):
+            for info, wanted in zip(spec.tensors(), rows_wanted):
+                cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                assert np.array_equal(backend.cpu_tier(r)[:, cols], wanted)
+        backend.restore_caches(timeout=30)
+
+
+def test_swaps_racing_a_clear_either_finish_or_are_refused():
+    rng = np.random.default_rng(5)
+    with deployment(small_spec(num_gpu_blocks=64, num_cpu_blocks=64), tp=2) as (backend, workers):
+        outcomes = {"done": 0, "refused": 0}
+        stop = threading.Event()
+
+        def hammer():
+            i = 0
+            while not stop.is_set():
+                try:
+                    backend.swap_out([i % 64], [i % 64]).result(timeout=20)
+                    outcomes["done"] += 1
+                except TransferError as exc:
+                    assert "kv_cache_status" in str(exc)
+                    outcomes["refused"] += 1
+                i += 1
+
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        time.sleep(0.2)
+        backend.clear_caches(timeout=30)
+        time.sleep(0.1)
+        stop.set()
+        thread.join()
+        assert outcomes["done"] > 0 and outcomes["refused"] > 0
+        backend.restore_caches(timeout=30)
+        round_trip(backend, workers, rng)
+
+
+def test_restore_waits_for_a_slow_worker(monkeypatch):
+    rng = np.random.default_rng(6)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        backend.clear_caches(timeout=30)
+        real_allocate = workers[1].ops.allocate
+
+        def slow_allocate(*args, **kwargs):
+            time.sleep(1.0)
+            return real_allocate(*args, **kwargs)
+
+        monkeypatch.setattr(workers[1].ops, "allocate", slow_allocate)
+        t0 = time.monotonic()
+        backend.restore_caches(timeout=30)
+        assert time.monotonic() - t0 >= 1.0 and backend.status == NORMAL
+        round_trip(backend, workers, rng)
+
+
+def test_restore_times_out_naming_a_worker_that_never_re_exports(monkeypatch):
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        backend.clear_caches(timeout=30)
+
+        def broken_allocate(*args, **kwargs):
+            raise MemoryError("no memory for the cache")
+
+        monkeypatch.setattr(workers[1].ops, "allocate", broken_allocate)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="rank 1"):
+            backend.restore_caches(timeout=2)
+        assert time.monotonic() - t0 < 10
+
+
+def test_clear_with_a_killed_worker_process_fails_naming_it(monkeypatch):
+    monkeypatch.setenv("FASTCACHE_WORKER_TIMEOUT", "30")      # the barrier, not the heartbeat, notices
+    spec = small_spec()
+    with SwapBackend(spec, tp_size=2, device="sim") as backend:
+        procs = start_workers(backend, None, "numpy")
+        try:
+            backend.wait_ready(timeout=30)
+            procs[1].kill()
+            procs[1].wait()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="worker rank 1 died"):
+                backend.clear_caches(timeout=20)
+            assert time.monotonic() - t0 < 10
+        finally:
+            stop_workers(procs)
+        leftovers = [e for e in os.listdir("/dev/shm") if e.startswith(f"fastcache.{backend.suffix}.cache_rank1")]
+        for entry in leftovers:              # the killed worker could not unlink its own cache
+            os.unlink(f"/dev/shm/{entry}")
+        for entry in os.listdir("/dev/shm"):
+            if entry.startswith(f"fastcache.{backend.suffix}.exports_rank1"):
+                os.unlink(f"/dev/shm/{entry}")
+
+
+def test_clear_with_a_killed_transfer_manager_fails_naming_it():
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        os.kill(backend.transfer_pids[0], 9)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="rank 0"):
+            backend.clear_caches(timeout=20)
+        assert time.monotonic() - t0 < 10
+
+
+def test_worker_processes_follow_clear_and_restore():
+    rng = np.random.default_rng(8)
+    spec = small_spec(num_gpu_blocks=128)
+    with SwapBackend(spec, tp_size=2, device="sim") as backend:
+        procs = start_workers(backend, None, "numpy")
+        try:
+            backend.wait_ready(timeout=30)
+            for _ in range(3):
+                backend.swap_out([1, 2], [0, 1]).result(timeout=20)
+                backend.clear_caches(timeout=30)
+                assert cache_segments(backend.suffix) == []
+                backend.restore_caches(timeout=30)
+                assert len(cache_segments(backend.suffix)) == 2
+        finally:
+            stop_workers(procs)

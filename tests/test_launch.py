@@ -1,0 +1,48 @@
+"""python -m fastcache.launch as a user runs it: exit status, report, nothing left behind."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def launch(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "fastcache.launch", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_default_run_passes_every_check_and_reports(tmp_path):
+    out = tmp_path / "report.json"
+    run = launch("--duration", "1", "--rl-cycles", "2", "--latency-samples", "50", "--json", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["device"] == "sim" and report["tp"] == 2 and report["checks_failed"] == []
+    assert report["checks_passed"] > 10 and report["random_rounds"] > 0
+    for key in ("latency_p50_ms", "latency_p99_ms", "swap_out_gbps", "swap_in_vs_memcpy", "clear_ms",
+                "restore_ms"):
+        assert report[key] > 0
+    assert report["memory_returned_mib"] >= 2 * report["gpu_cache_mib"] * 0.99
+    assert "checks" in run.stdout and "0 failed: PASSED" in run.stdout
+
+
+def test_a_failed_check_makes_the_exit_status_nonzero():
+    run = launch("--duration", "0", "--rl-cycles", "0", "--latency-samples", "5", "--tp", "1",
+                 "--num-gpu-blocks", "64", "--num-cpu-blocks", "32")
+    assert run.returncode == 0, run.stdout + run.stderr
+    bad = launch("--duration", "0", "--rl-cycles", "0", "--latency-samples", "5", "--tp", "1",
+                 "--num-gpu-blocks", "64", "--num-cpu-blocks", "32", "--inject-corruption")
+    assert bad.returncode == 1 and "CHECK FAILED: CPU tier holds" in bad.stdout
+
+
+@pytest.mark.parametrize("args,message", [(["--num-layers", "0"], "num_layers"),
+                                          (["--num-cpu-blocks", str(10**9)], "GiB")])
+def test_bad_geometry_is_a_clear_error(args, message):
+    run = launch(*args)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_help_explains_the_options():
+    run = launch("--help")
+    assert run.returncode == 0
+    for option in ("--tp", "--device", "--framework", "--duration", "--rl-cycles", "--num-gpu-blocks"):
+        assert option in run.stdout

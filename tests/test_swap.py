@@ -1,0 +1,170 @@
+"""Swap round trips through real transfer-manager processes, verified bit for bit on random data."""
+import numpy as np
+import pytest
+
+from fastcache import TransferError
+
+from conftest import all_tensors, deployment, randomize, small_spec
+
+LAYOUTS = {
+    "bf16_kv": dict(cache_dtype="bfloat16"),
+    "fp16_kv": dict(cache_dtype="float16"),
+    "k_only": dict(has_value=False),
+    "fp8_scales": dict(cache_dtype="block_wise_fp8"),
+    "fp8_k_only_bf16_scales": dict(cache_dtype="block_wise_fp8", has_value=False, scale_dtype="bfloat16"),
+    "extra_layers": dict(num_extra_layers=2, num_extra_gpu_blocks=12),
+    "odd_rows": dict(cache_dtype="uint8", head_dim=3, block_size=3, num_kv_heads=1),   # 9-byte rows
+}
+
+
+def check_round_trip(backend, workers, rng):
+    """Swap out random blocks, overwrite every GPU byte, swap in elsewhere: check CPU and GPU bytes.
+    A draft layer's rows exist only below its num_blocks; its other CPU rows must keep their bytes."""
+    spec = backend.spec
+    ranks = range(len(workers))
+    for w in workers:
+        randomize(w, rng)
+    for r in ranks:
+        backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
+    src = rng.choice(spec.num_gpu_blocks, 6, replace=False)
+    cpu = rng.choice(spec.num_cpu_blocks, 6, replace=False)
+    before = [[rows.copy() for rows in all_tensors(w)] for w in workers]
+    tier_before = [backend.cpu_tier(r).copy() for r in ranks]
+    h = backend.swap_out(src, cpu)
+    assert h.result(timeout=20) is h and h.done() and h.elapsed > 0
+    assert h.nbytes == spec.task_bytes(src) * len(workers)
+    for r in ranks:
+        for info, was in zip(spec.tensors(), before[r]):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            has = src < info.num_blocks
+            assert np.array_equal(backend.cpu_tier(r)[cpu[has], cols], was[src[has]]), info.name
+            assert np.array_equal(backend.cpu_tier(r)[cpu[~has], cols], tier_before[r][cpu[~has], cols])
+    tier = [backend.cpu_tier(r).copy() for r in ranks]
+    for w in workers:
+        randomize(w, rng)                           # overwrite everything, the sources included
+    dst = rng.choice(spec.num_gpu_blocks, 6, replace=False)
+    between = [[rows.copy() for rows in all_tensors(w)] for w in workers]
+    backend.swap_in(dst, cpu).result(timeout=20)
+    for r, w in zip(ranks, workers):
+        for info, rows, mid in zip(spec.tensors(), all_tensors(w), between[r]):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            has = dst < info.num_blocks
+            assert np.array_equal(rows[dst[has]], tier[r][cpu[has], cols]), info.name
+            untouched = np.setdiff1d(np.arange(info.num_blocks), dst)
+            assert np.array_equal(rows[untouched], mid[untouched]), f"{info.name}: other blocks changed"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_round_trip(layout, tp):
+    rng = np.random.default_rng(abs(hash((layout, tp))) % 2**32)
+    with deployment(small_spec(**LAYOUTS[layout]), tp=tp) as (backend, workers):
+        check_round_trip(backend, workers, rng)
+
+
+def test_cpu_tier_holds_block_major_rows():
+    rng = np.random.default_rng(7)
+    spec = small_spec()
+    with deployment(spec) as (backend, (worker,)):
+        randomize(worker, rng)
+        backend.swap_out([5, 2], [3, 0]).result(timeout=20)
+        tier = backend.cpu_tier(0)
+        for info, rows in zip(spec.tensors(), all_tensors(worker)):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            assert np.array_equal(tier[3, cols], rows[5]) and np.array_equal(tier[0, cols], rows[2])
+
+
+def test_back_to_back_dependent_tasks_keep_submission_order():
+    """Out, overwrite-by-swap-in, out again on shared blocks, all submitted before any completes."""
+    rng = np.random.default_rng(11)
+    spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=64)
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        snap = [[r.copy() for r in all_tensors(w)] for w in workers]
+        handles = []
+        for step in range(30):
+            # chain: block a -> cpu c -> block b -> cpu d ..., each task reading what the previous wrote
+            handles.append(backend.swap_out([step], [step]))
+            handles.append(backend.swap_in([step + 1 + 30], [step]))
+            handles.append(backend.swap_out([step + 1 + 30], [step + 32]))
+        for h in handles:
+            h.result(timeout=30)
+        tier = [backend.cpu_tier(r) for r in range(2)]
+        for w, old, cpu in zip(workers, snap, tier):
+            for info, rows, was in zip(spec.tensors(), all_tensors(w), old):
+                cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                for step in range(30):
+                    assert np.array_equal(rows[step + 31], was[step])
+                    assert np.array_equal(cpu[step + 32, cols], was[step])
+
+
+def test_many_concurrent_tasks_from_threads():
+    import concurrent.futures as cf
+    rng = np.random.default_rng(3)
+    spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=64)
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        snap = [[r.copy() for r in all_tensors(w)] for w in workers]
+
+        def one(i):
+            return backend.swap_out([i], [i]).result(timeout=30)
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            assert len(list(pool.map(one, range(64)))) == 64
+        for r, old in enumerate(snap):
+            for info, was in zip(spec.tensors(), old):
+                cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                assert np.array_equal(backend.cpu_tier(r)[:, cols], was[:64])
+
+
+BAD_REQUESTS = [
+    ([24], [0], "out of range"),             # gpu id == num_gpu_blocks
+    ([0], [16], "out of range"),
+    ([-1], [0], "out of range"),
+    ([1, 2], [0], "has 2 ids but"),
+    ([], [], "at least one"),
+    ([1.0], [0], "integers"),
+    ([[1]], [[0]], "one-dimensional"),
+    ("12", [0], "sequence of ints"),
+    ([None], [0], "integers"),
+]
+
+
+@pytest.mark.parametrize("gpu,cpu,message", BAD_REQUESTS)
+def test_bad_requests_raise_before_anything_is_sent(gpu, cpu, message):
+    rng = np.random.default_rng(5)
+    with deployment(small_spec()) as (backend, (worker,)):
+        randomize(worker, rng)
+        before = backend.cpu_tier(0).copy()
+        for submit in (backend.swap_out, backend.swap_in):
+            with pytest.raises(ValueError, match=message):
+                submit(gpu, cpu)
+        assert np.array_equal(backend.cpu_tier(0), before)
+        backend.swap_out([1], [1]).result(timeout=10)       # and the deployment still works
+
+
+def test_duplicate_destination_ids_are_refused():
+    with deployment(small_spec()) as (backend, _):
+        with pytest.raises(ValueError, match="duplicate destination cpu"):
+            backend.swap_out([1, 2], [3, 3])
+        with pytest.raises(ValueError, match="duplicate destination gpu"):
+            backend.swap_in([4, 4], [1, 2])
+        backend.swap_out([4, 4], [1, 2]).result(timeout=10)  # one source to two destinations is fine
+
+
+def test_swap_before_ready_is_refused_with_a_reason():
+    from fastcache import SwapBackend
+    with SwapBackend(small_spec(), tp_size=1, device="sim") as backend:
+        with pytest.raises(TransferError, match="not ready"):
+            backend.swap_out([1], [1])
+        with pytest.raises(TransferError, match="cache_ready=0"):
+            backend.wait_ready(timeout=0.5)
+
+
+def test_swap_after_close_is_refused():
+    with deployment(small_spec()) as (backend, _):
+        pass
+    with pytest.raises(TransferError, match="not running"):
+        backend.swap_out([1], [1])
