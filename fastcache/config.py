@@ -172,6 +172,7 @@ class Settings:
     phase_timeout: float = 60.0         # FASTCACHE_PHASE_TIMEOUT: clear/restore barrier timeout
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
+    inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -183,4 +184,5 @@ class Settings:
             phase_timeout=_env_float("FASTCACHE_PHASE_TIMEOUT", cls.phase_timeout),
             clear_swap_space=env.get("FASTCACHE_CLEAR_SWAP_SPACE", "0") not in ("", "0", "false", "False"),
             copy_method=env.get("FASTCACHE_COPY_METHOD", cls.copy_method),
+            inline_bytes=int(_env_float("FASTCACHE_INLINE_BYTES", cls.inline_bytes)),
         )

@@ -218,8 +218,9 @@ def _attached_swap(request_json: str):
         gpu_ids, cpu_ids = np.array(req["gpu_out"]), np.array(req["cpu_out"])
         copier.swap_out(gpu_ids, cpu_ids)
         for i, info in enumerate(cache.infos):
+            keep = gpu_ids < info.num_blocks
             cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
-            if not np.array_equal(cache.read(i, gpu_ids), swap.rows[cpu_ids, cols]):
+            if not np.array_equal(cache.read(i, gpu_ids[keep]), swap.rows[cpu_ids[keep], cols]):
                 raise SystemExit(3)
         if req.get("gpu_in"):
             copier.swap_in(np.array(req["gpu_in"]), np.array(req["cpu_in"]))

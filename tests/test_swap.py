@@ -74,7 +74,15 @@ def test_cpu_tier_holds_block_major_rows():
             assert np.array_equal(tier[3, cols], rows[5]) and np.array_equal(tier[0, cols], rows[2])
 
 
-def test_back_to_back_dependent_tasks_keep_submission_order():
+@pytest.fixture(params=["inline", "threads"])
+def executor(request, monkeypatch):
+    """Small tasks run on the transfer manager's main thread; 'threads' forces the executor threads."""
+    if request.param == "threads":
+        monkeypatch.setenv("FASTCACHE_INLINE_BYTES", "0")
+    return request.param
+
+
+def test_back_to_back_dependent_tasks_keep_submission_order(executor):
     """Out, overwrite-by-swap-in, out again on shared blocks, all submitted before any completes."""
     rng = np.random.default_rng(11)
     spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=64)
@@ -99,7 +107,7 @@ def test_back_to_back_dependent_tasks_keep_submission_order():
                     assert np.array_equal(cpu[step + 32, cols], was[step])
 
 
-def test_many_concurrent_tasks_from_threads():
+def test_many_concurrent_tasks_from_threads(executor):
     import concurrent.futures as cf
     rng = np.random.default_rng(3)
     spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=64)

@@ -110,5 +110,7 @@ def check_ids(gpu_ids, cpu_ids, kind: str, num_gpu_blocks: int, num_cpu_blocks: 
             bad = ids[(ids < 0) | (ids >= bound)][0]
             raise ValueError(f"{label} block id {int(bad)} out of range 0..{bound - 1}")
     dest_label, dest = ("cpu", cpu_ids) if kind == SWAP_TO_CPU else ("gpu", gpu_ids)
-    if len(np.unique(dest)) != len(dest):
+    # a Python set is far cheaper than np.unique for the one-block tasks on the latency path
+    distinct = len(set(dest.tolist())) if len(dest) < 256 else len(np.unique(dest))
+    if distinct != len(dest):
         raise ValueError(f"duplicate destination {dest_label} block ids")

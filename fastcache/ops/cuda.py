@@ -86,18 +86,28 @@ def _free_cached(framework: str):
 
 
 # -- export and attach -----------------------------------------------------------------------------
-def export_tensor(info: TensorInfo, ptr: int, device_id: int) -> dict:
-    """Manifest entry: the IPC handle of the allocation holding `ptr` and the tensor's offset in it.
-    Caching allocators sub-allocate, and a handle always opens at its allocation's base."""
-    base, size = cuda_check(driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)), "cuMemGetAddressRange")
-    base = int(base)
+def export_tensors(infos: list, pointers: list, device_id: int) -> list:
+    """Manifest entries: per tensor, the IPC handle of the allocation holding it and its offset there.
+    Caching allocators sub-allocate, and a handle always opens at its allocation's base; tensors sharing
+    an allocation share one handle string, so an attacher opens it once."""
+    handles, manifest = {}, []
+    for info, ptr in zip(infos, pointers):
+        base, size = cuda_check(driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+        base = int(base)
+        if base not in handles:
+            handles[base] = _ipc_handle(base, info.name)
+        manifest.append({"name": info.name, "handle": handles[base], "offset": ptr - base, "alloc_bytes": int(size),
+                         "nbytes": info.nbytes, "device": device_id})
+    return manifest
+
+
+def _ipc_handle(base: int, name: str) -> str:
     try:
-        handle = cuda_check(runtime.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle({info.name})")
+        handle = cuda_check(runtime.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle({name})")
     except TransferError as exc:
         raise TransferError(f"{exc} (CUDA IPC exports cudaMalloc memory only: a virtual-memory allocator such as "
                             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be shared)") from None
-    return {"name": info.name, "handle": ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex(),
-            "offset": ptr - base, "alloc_bytes": int(size), "nbytes": info.nbytes, "device": device_id}
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex()
 
 
 def _check_entry(entry: dict, info: TensorInfo):
@@ -194,7 +204,7 @@ class CudaLocalCache(LocalCache):
         set_device(device_id)
         self.tensors = {info.name: _empty(framework, info.shape, info.dtype, device_id) for info in self.infos}
         self.pointers = [_data_ptr(self.tensors[info.name]) for info in self.infos]
-        self.manifest = [export_tensor(info, ptr, device_id) for info, ptr in zip(self.infos, self.pointers)]
+        self.manifest = export_tensors(self.infos, self.pointers, device_id)
 
     def view(self) -> DeviceTensors:
         """The tensors as a copier sees them, in this process (a handle cannot be opened where it was made)."""
@@ -318,7 +328,8 @@ class _CudaCopier(Copier):
         if not len(gpu_ids):
             return
         # a stray id would make the kernel fault and poison the context: refuse it here
-        for ids, limit, what in ((gpu_ids, self.spec.num_gpu_blocks, "gpu"), (cpu_ids, self.spec.num_cpu_blocks, "cpu")):
+        limits = ((gpu_ids, self.spec.num_gpu_blocks, "gpu"), (cpu_ids, self.spec.num_cpu_blocks, "cpu"))
+        for ids, limit, what in limits:
             if ids.min() < 0 or ids.max() >= limit:
                 raise ValueError(f"{what} block ids must lie in [0, {limit})")
         self.swap.wait_pinned(int(cpu_ids.max()) + 1)

@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 
 import numpy as np
-
 from cuda.bindings import driver, nvrtc, runtime
 
 from ..errors import TransferError

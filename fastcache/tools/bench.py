@@ -113,27 +113,26 @@ class Rig:
 
 
 class BulkCopy:
-    """The ceiling: one cudaMemcpyAsync of the swap's bytes between device memory and the pinned tier."""
+    """The ceiling: one cudaMemcpyAsync of the swap's bytes between device memory and the pinned tier,
+    with a buffer and a stream per direction, as the copiers have."""
 
     def __init__(self, rig: Rig):
-        from ..ops.cuda_kernels import DeviceBuffer, create_stream, set_device
+        from ..ops.cuda_kernels import DeviceBuffer, Lane, set_device
 
         set_device(rig.device_id)
         self.rig = rig
-        self.buffers = [DeviceBuffer(rig.nbytes), DeviceBuffer(rig.nbytes)]
-        self.streams = [create_stream(), create_stream()]
+        self.buffers = {True: DeviceBuffer(rig.nbytes), False: DeviceBuffer(rig.nbytes)}    # keyed by "to host"
+        self.lanes = {True: Lane(), False: Lane()}
 
     def _copy(self, to_host: bool):
-        from cuda.bindings import runtime
-
-        from ..ops.cuda_kernels import cuda_check, memcpy_async, set_device
+        from ..ops.cuda_kernels import memcpy_async, set_device
 
         set_device(self.rig.device_id)
-        k = 0 if to_host else 1        # separate buffers and streams per direction, as the copiers have
-        host = self.rig.swap.host_ptr + k * self.rig.nbytes
-        dst, src = (host, self.buffers[k].ptr) if to_host else (self.buffers[k].ptr, host)
-        memcpy_async(dst, src, self.rig.nbytes, to_host, self.streams[k])
-        cuda_check(runtime.cudaStreamSynchronize(self.streams[k]), "cudaStreamSynchronize")
+        host = self.rig.swap.host_ptr + (0 if to_host else self.rig.nbytes)
+        device = self.buffers[to_host].ptr
+        dst, src = (host, device) if to_host else (device, host)
+        memcpy_async(dst, src, self.rig.nbytes, to_host, self.lanes[to_host].stream)
+        self.lanes[to_host].sync()
 
     def out(self):
         self._copy(True)
@@ -142,12 +141,10 @@ class BulkCopy:
         self._copy(False)
 
     def close(self):
-        from cuda.bindings import runtime
-
-        for buf in self.buffers:
+        for lane in self.lanes.values():
+            lane.close()
+        for buf in self.buffers.values():
             buf.close()
-        for stream in self.streams:
-            runtime.cudaStreamDestroy(stream)
 
 
 class GemmLoop:
@@ -283,7 +280,8 @@ def print_report(device: str, results: list):
     print(f"device: {device}")
     for r in results:
         ceil = r["ceiling"]
-        print(f"\nblock rows {r['block_kib']} KiB x {r['tensors']} tensors: {r['swap_bytes'] / 2**20:.0f} MiB per swap; "
+        print(f"\nblock rows {r['block_kib']} KiB x {r['tensors']} tensors: "
+              f"{r['swap_bytes'] / 2**20:.0f} MiB per swap; "
               f"pinned {r['pinned_bytes'] / 2**30:.1f} GiB in {r['pin_seconds']:.2f} s")
         print(f"  {'GB/s (share of ceiling)':28s} {'D2H':>12s} {'H2D':>12s} {'duplex':>12s}")
         rows = [("ceiling: bulk memcpy", ceil)] + list(r["methods"].items())

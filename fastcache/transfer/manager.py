@@ -31,7 +31,6 @@ from .scheduler import Scheduler, Task
 log = logging.getLogger("fastcache.transfer")
 
 EXIT_WORKER_GONE, EXIT_ENGINE_GONE = 3, 4
-INLINE_BYTES = 4 << 20      # tasks up to this size per rank run on the main thread
 EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited"}
 
 
@@ -197,7 +196,7 @@ class TransferManager:
     def _dispatch(self, tasks):
         """Small tasks on an idle direction run right here: a thread hand-off costs more than their copy."""
         for task in tasks:
-            if self.queued[task.kind] == 0 and self.spec.task_bytes(task.gpu_ids) <= INLINE_BYTES:
+            if self.queued[task.kind] == 0 and self.spec.task_bytes(task.gpu_ids) <= self.settings.inline_bytes:
                 self._finished(task, self._run(task))
             else:
                 self.queued[task.kind] += 1
