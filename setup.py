@@ -21,6 +21,6 @@ setup(
         "test": requirements("requirements-test.txt"),
         "paddle": ["paddlepaddle==3.3.1"],
         "torch": ["torch>=2.4"],
-        "cuda": ["cuda-bindings>=12.8", "cuda-core>=0.3"],
+        "cuda": ["cuda-bindings>=12.9,<14"],     # NVRTC comes with the CUDA toolkit or its nvrtc wheel
     },
 )

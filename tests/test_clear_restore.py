@@ -187,12 +187,7 @@ def test_clear_with_a_killed_worker_process_fails_naming_it(monkeypatch):
             assert time.monotonic() - t0 < 10
         finally:
             stop_workers(procs)
-        leftovers = [e for e in os.listdir("/dev/shm") if e.startswith(f"fastcache.{backend.suffix}.cache_rank1")]
-        for entry in leftovers:              # the killed worker could not unlink its own cache
-            os.unlink(f"/dev/shm/{entry}")
-        for entry in os.listdir("/dev/shm"):
-            if entry.startswith(f"fastcache.{backend.suffix}.exports_rank1"):
-                os.unlink(f"/dev/shm/{entry}")
+    # the killed worker could not unlink its cache; closing the backend removed it (creator dead)
 
 
 def test_clear_with_a_killed_transfer_manager_fails_naming_it():

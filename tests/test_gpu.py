@@ -57,10 +57,11 @@ def task_ids(rng, spec, n, avoid_gpu=(), avoid_cpu=()):
     """n distinct ids per side: a run of 4 consecutive ids on both sides (merged copies), the rest random."""
     def pick(limit, avoid):
         free = np.setdiff1d(np.arange(limit), np.asarray(avoid, np.int64))
-        start = int(free[len(free) // 3])
-        run = np.arange(start, start + 4)
-        assert np.isin(run, free).all(), "test ids need a free run of 4"
+        starts = free[:-3][free[3:] - free[:-3] == 3]          # free ids followed by 3 more free ones
+        assert len(starts), "test ids need a free run of 4"
+        run = np.arange(starts[len(starts) // 2], starts[len(starts) // 2] + 4)
         rest = rng.permutation(np.setdiff1d(free, run))[:n - 4]
+        assert len(rest) == n - 4, "not enough free ids"
         return np.r_[run, rest].astype(np.int64)
     return pick(spec.num_gpu_blocks, avoid_gpu), pick(spec.num_cpu_blocks, avoid_cpu)
 
@@ -95,10 +96,14 @@ class Rig:
         self.local = self.ops.allocate(spec, 0, 0, FRAMEWORK, self.suffix, 0)
         self.view = self.local.view()
         self.segment = SharedSegment.create(swap_space_name(self.suffix, 0), spec.cpu_cache_bytes, self.suffix)
-        if pin_chunk_bytes is None:
-            self.swap = self.ops.attach_swap_space(self.segment, spec, device_id=0)
-        else:
-            self.swap = CudaSwapSpace(self.segment, spec, 0, chunk_bytes=pin_chunk_bytes)
+        try:
+            if pin_chunk_bytes is None:
+                self.swap = self.ops.attach_swap_space(self.segment, spec, device_id=0)
+            else:
+                self.swap = CudaSwapSpace(self.segment, spec, 0, chunk_bytes=pin_chunk_bytes)
+        except BaseException:
+            self.segment.close()    # unlinks it: no test leaves a segment behind
+            raise
         self.swap.rows[...] = random_bytes(self.rng, self.swap.rows.shape)
         self.refill()
 
@@ -141,8 +146,7 @@ def check_round_trip(rig, copier, n):
     gpu_in, _ = task_ids(rig.rng, spec, n, avoid_gpu=gpu_ids)
     cpu_in = np.r_[cpu_ids[: n // 2], task_ids(rig.rng, spec, n - n // 2, avoid_cpu=cpu_ids[: n // 2])[1]]
     copier.swap_in(gpu_in, cpu_in)
-    after = rig.rows()
-    for got, want in zip(after, expected_rows(rows, tier, infos, gpu_in, cpu_in)):
+    for got, want in zip(rig.rows(), expected_rows(rows, tier, infos, gpu_in, cpu_in)):
         assert np.array_equal(got, want)
     assert np.array_equal(rig.swap.rows, tier), "swap_in changed the CPU tier"
 
@@ -166,7 +170,7 @@ def test_large_task_chunked_pinning(method, rigs, monkeypatch):
     """Real sizes: 32 KiB rows, 75 MiB per swap (three 32 MiB staging chunks), the tier pinned in 4 MiB
     chunks in the background while the first swap waits for the chunks it touches."""
     monkeypatch.setenv("FASTCACHE_COPY_METHOD", method)
-    spec = CacheSpec(num_layers=4, num_gpu_blocks=512, num_cpu_blocks=400, block_size=16, num_kv_heads=8,
+    spec = CacheSpec(num_layers=4, num_gpu_blocks=640, num_cpu_blocks=400, block_size=16, num_kv_heads=8,
                      head_dim=128)
     rig = rigs(spec, pin_chunk_bytes=4 << 20)
     copier = rig.ops.copier(rig.view, rig.swap, spec)
@@ -230,7 +234,7 @@ def _attached_swap(request_json: str):
         cache.close()
 
 
-def run_children(requests, timeout=180):
+def run_children(requests, timeout=100):
     ctx = multiprocessing.get_context("spawn")     # CUDA IPC handles open only in another process
     procs = [ctx.Process(target=_attached_swap, args=(json.dumps(req),)) for req in requests]
     for p in procs:

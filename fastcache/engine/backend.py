@@ -465,6 +465,8 @@ class SwapBackend:
             self.signals.close()
         if hasattr(self, "socket_dir"):
             remove_socket_dir(self.socket_dir)
+        from ..tools.cleanup import remove_dead
+        remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
 
     def _stop_processes(self, grace: float = 5.0):
         deadline = time.monotonic() + grace

@@ -29,13 +29,15 @@ class RankBarrier:
     def __init__(self, suffix: str, parties: int, create: bool = False, party_names=None):
         self.parties = parties
         self.party_names = list(party_names) if party_names else [f"party {i}" for i in range(parties)]
-        nbytes = 8 * (2 * parties + 1)
+        if parties > 63:
+            raise ValueError("a RankBarrier holds at most 63 parties")
+        nbytes = 8 * (2 * parties + 3)
         name = barrier_name(suffix)
         self._seg = SharedSegment.create(name, nbytes, suffix) if create else SharedSegment.attach(name, suffix)
-        table = self._seg.array(np.int64, (2 * parties + 1,))
+        table = self._seg.array(np.int64, (2 * parties + 3,))
         self._arrived = table[:parties]            # generation each party has reached
         self._pids = table[parties:2 * parties]    # pid registered by each party (0 = none)
-        self._broken = table[2 * parties:]         # highest generation that broke
+        self._broken = table[2 * parties:]         # [highest generation that broke, missing-party mask, died?]
         if create:
             table[...] = 0
 
@@ -57,17 +59,25 @@ class RankBarrier:
         deadline = time.monotonic() + timeout
         while True:
             if self._broken[0] >= gen:
-                raise BrokenBarrierError(f"barrier generation {gen} was broken by another party", [])
+                raise self._error(gen, timeout)
             missing = [p for p in range(self.parties) if self._arrived[p] < gen]
             if not missing:
                 return gen
             dead = [p for p in missing if not self._alive(p)]
             if dead or time.monotonic() > deadline:
+                # record who and why before the generation, so every waiter reports the same cause
+                self._broken[1] = sum(1 << p for p in (dead or missing))
+                self._broken[2] = 1 if dead else 0
                 self._broken[0] = max(int(self._broken[0]), gen)
-                why = "died" if dead else f"did not arrive within {timeout:g} s"
-                names = ", ".join(self.party_names[p] for p in (dead or missing))
-                raise BrokenBarrierError(f"{names} {why}", dead or missing)
+                raise self._error(gen, timeout)
             time.sleep(self.POLL)
+
+    def _error(self, gen, timeout) -> BrokenBarrierError:
+        mask, died = int(self._broken[1]), bool(self._broken[2])
+        culprits = [p for p in range(self.parties) if mask >> p & 1]
+        why = "died" if died else f"did not arrive in time (timeout {timeout:g} s)"
+        names = ", ".join(self.party_names[p] for p in culprits) or "another party"
+        return BrokenBarrierError(f"{names} {why} (phase barrier generation {gen})", culprits)
 
     def _alive(self, party: int) -> bool:
         pid = int(self._pids[party])

@@ -88,12 +88,17 @@ class DeviceOps(ABC):
     def attach(self, manifest: list, infos: list[TensorInfo], suffix: str) -> AttachedCache:
         ...
 
-    def attach_swap_space(self, segment: SharedSegment, spec: CacheSpec) -> SwapSpace:
+    def attach_swap_space(self, segment: SharedSegment, spec: CacheSpec, device_id: int = 0) -> SwapSpace:
+        """Attach (and on CUDA pin, through device_id) the rank's engine-owned CPU tier."""
         return SwapSpace(segment, spec)
 
     @abstractmethod
     def copier(self, cache: AttachedCache, swap: SwapSpace, spec: CacheSpec) -> Copier:
         ...
+
+    def device_memory_free(self, device_id: int) -> int | None:
+        """Free device memory in bytes (cudaMemGetInfo); None where the device has no memory of its own."""
+        return None
 
 
 def usable_ids(ids: np.ndarray, num_blocks: int, full: int):

@@ -516,12 +516,15 @@ class CudaOps(DeviceOps):
     def attach(self, manifest, infos, suffix):
         return CudaAttachedCache(manifest, infos)
 
-    def attach_swap_space(self, segment, spec, device_id: int | None = None):
-        """Pin the tier through `device_id` (default: this thread's current device). Registration is
-        portable and mapped, so every device's copier may use it."""
-        if device_id is None:
-            device_id = cuda_check(runtime.cudaGetDevice(), "cudaGetDevice")
+    def attach_swap_space(self, segment, spec, device_id: int = 0):
+        """Pin the tier through `device_id`. Registration is portable and mapped, so every device's copier
+        may use it."""
         return CudaSwapSpace(segment, spec, device_id)
+
+    def device_memory_free(self, device_id):
+        set_device(device_id)
+        free, _total = cuda_check(runtime.cudaMemGetInfo(), "cudaMemGetInfo")
+        return int(free)
 
     def copier(self, cache, swap, spec):
         return make_copier(Settings.from_env().copy_method, cache, swap, spec)

@@ -226,8 +226,8 @@ def bench_block_size(args, block_kib: int, framework: str) -> dict:
     rig = Rig(spec, args.device_id, framework, args.blocks)
     result = {"block_kib": block_kib, "tensors": len(spec.tensors()), "swap_bytes": rig.nbytes,
               "pin_seconds": rig.swap.pin_seconds, "pinned_bytes": spec.cpu_cache_bytes, "methods": {}}
-    gemm = GemmLoop(args.device_id) if args.gemm else None
     try:
+        gemm = GemmLoop(args.device_id) if args.gemm else None
         bulk = BulkCopy(rig)
         result["ceiling"] = {"d2h": rig.nbytes / best_seconds(bulk.out) / 1e9,
                              "h2d": rig.nbytes / best_seconds(bulk.in_) / 1e9,

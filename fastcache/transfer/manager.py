@@ -133,7 +133,7 @@ class TransferManager:
                 seg = SharedSegment.attach(swap_space_name(self.suffix, self.rank), self.suffix)
             except SegmentError:
                 return
-            self.swap = self.ops.attach_swap_space(seg, self.spec)
+            self.swap = self.ops.attach_swap_space(seg, self.spec, self.device_id)
             self.signals.swap_space_ready[self.rank] = 1
         if self.cache is None and self.signals.cache_ready[self.rank] == 1:
             try:
