@@ -13,12 +13,24 @@ import psutil
 import pytest
 
 from fastcache import CacheSpec, SwapBackend
-from fastcache.ipc.shm import SHM_DIR, unlink
+from fastcache.ipc.shm import SHM_DIR, SegmentError, creator_alive, read_creator, unlink
 from fastcache.worker import CacheWorker
 
 
 def _shm_entries():
-    return {e for e in os.listdir(SHM_DIR) if e.startswith("fastcache.")}
+    """fastcache segments, less those of live processes outside this test run (another session's)."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    entries = set()
+    for entry in os.listdir(SHM_DIR):
+        if not entry.startswith("fastcache."):
+            continue
+        try:
+            pid, start, _ = read_creator(entry)
+        except (OSError, SegmentError):
+            pid, start = 0, 0.0
+        if pid in ours or not creator_alive(pid, start):
+            entries.add(entry)
+    return entries
 
 
 def _socket_dirs():

@@ -345,20 +345,25 @@ class SwapBackend:
             return
         now = time.time()
         for rank, proc in enumerate(self._procs):
-            if proc is None or rank in self._failed:
-                continue
-            code = proc.poll()
-            if code is not None:
-                reason = EXIT_REASONS.get(code, "it crashed" if code else "it stopped")
-                if code < 0:
-                    reason = f"killed by {signal.Signals(-code).name}"
-                self._mark_failed(rank, f"transfer manager (pid {proc.pid}) exited with status {code}: {reason}")
+            if proc is None or rank in self._failed or self._check_exit(rank):
                 continue
             beat = float(self.signals.transfer_heartbeat[rank])
             if beat and now - beat > self.settings.transfer_timeout:
                 proc.kill()         # a silent process must not wake up later and write into the cache
                 self._mark_failed(rank, f"transfer manager (pid {proc.pid}) stopped answering "
                                         f"(no heartbeat for {now - beat:.1f} s); killed it")
+
+    def _check_exit(self, rank) -> bool:
+        """If rank's transfer manager has exited, take the rank out of service naming its exit status."""
+        proc = self._procs[rank]
+        code = proc.poll() if proc is not None else None
+        if code is None:
+            return False
+        reason = EXIT_REASONS.get(code, "it crashed" if code else "it stopped")
+        if code < 0:
+            reason = f"killed by {signal.Signals(-code).name}"
+        self._mark_failed(rank, f"transfer manager (pid {proc.pid}) exited with status {code}: {reason}")
+        return True
 
     # -- the I/O thread --------------------------------------------------------------------------
     def _serve(self):
@@ -373,7 +378,10 @@ class SwapBackend:
                         frames = self._router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._on_reply(frames)
+                    try:
+                        self._on_reply(frames)
+                    except Exception as exc:        # no single message may end this thread
+                        self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
             if time.monotonic() >= next_watch:
                 self._watch_ranks()
                 next_watch = time.monotonic() + 0.1
@@ -388,7 +396,8 @@ class SwapBackend:
                 try:
                     push.send_multipart(message, zmq.NOBLOCK)
                 except zmq.Again:       # no transfer manager connected to this rank's pipe
-                    self._finish(task_id, rank, "transfer manager not connected")
+                    self._check_exit(rank)
+                    self._finish(task_id, rank, self._failed.get(rank, "transfer manager not connected"))
 
     def _finish(self, task_id, rank, error=None):
         if task_id is None:
@@ -403,9 +412,10 @@ class SwapBackend:
                 self._handles.pop(task_id, None)
 
     def _on_reply(self, frames):
-        rank = identity_rank(frames[0]) if len(frames) > 1 else None
-        if rank is None or not 0 <= rank < self.tp_size:
-            self._warn_once(("identity", frames[0][:32]), f"message from unknown peer {frames[0][:32]!r}")
+        who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
+        rank = who[0] if who else None
+        if rank is None or not 0 <= rank < self.tp_size or who[1] != self.transfer_pids[rank]:
+            self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
             return
         try:
             header, _ = protocol.decode(frames[1:])
@@ -429,7 +439,7 @@ class SwapBackend:
                     acks[rank] = header.get("error")
                     self._phase_cond.notify_all()
         elif kind == "error":
-            self._warn_once(("error", rank, header["error"]), f"rank {rank} rejected a message: {header['error']}")
+            self._warn_once(("error", rank), f"rank {rank} rejected a message: {header['error']}")
         else:
             self._warn_once(("type", rank, kind), f"rank {rank}: unexpected {kind!r} message dropped")
 

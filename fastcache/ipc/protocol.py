@@ -56,8 +56,8 @@ def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"header is not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     type_ = header.get("type")
@@ -70,7 +70,10 @@ def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
     for field, kind in schema.items():
         value = header.get(field)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = header[field] = float(value)
+            try:
+                value = header[field] = float(value)
+            except OverflowError:
+                raise ProtocolError(f"{type_}: field {field!r} is out of float range") from None
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ProtocolError(f"{type_}: field {field!r} must be {kind.__name__}, got {value!r}")
         if kind is int and value < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -42,13 +43,14 @@ def reply_endpoint(socket_dir: str) -> str:
     return f"ipc://{os.path.join(socket_dir, 'replies')}"
 
 
-def rank_identity(rank: int) -> bytes:
-    return f"rank{rank}".encode()
+def rank_identity(rank: int, pid: int | None = None) -> bytes:
+    return b"rank%d.%d" % (rank, os.getpid() if pid is None else pid)
 
 
-def identity_rank(identity: bytes) -> int | None:
-    text = identity.decode(errors="replace")
-    return int(text[4:]) if text.startswith("rank") and text[4:].isdigit() else None
+def identity_rank(identity: bytes):
+    """(rank, pid) of a transfer manager's identity, or None."""
+    m = re.fullmatch(rb"rank([0-9]{1,9})\.([0-9]{1,10})", identity)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def _configure(sock):
@@ -68,7 +70,6 @@ def bind_engine(context: zmq.Context, socket_dir: str, tp_size: int):
         pushes.append(push)
     router = context.socket(zmq.ROUTER)
     _configure(router)
-    router.setsockopt(zmq.ROUTER_HANDOVER, 1)     # a restarted rank takes over its identity
     router.bind(reply_endpoint(socket_dir))
     return pushes, router
 

@@ -38,7 +38,8 @@ def creator_alive(pid: int, start_time: float) -> bool:
     if pid <= 0:
         return False
     try:
-        return abs(psutil.Process(pid).create_time() - start_time) < 0.01
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - start_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
