@@ -108,3 +108,38 @@ def all_tensors(worker):
 def randomize(worker, rng):
     for rows in all_tensors(worker):
         rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+
+
+def cpu_image(worker, gpu_ids) -> np.ndarray:
+    """What CPU blocks holding these GPU blocks of the worker must contain: [n, cpu_block_bytes]."""
+    spec = worker.spec
+    gpu_ids = np.asarray(gpu_ids)
+    out = np.empty((len(gpu_ids), spec.cpu_block_bytes), np.uint8)
+    for info, rows in zip(spec.tensors(worker.rank, worker.device_id), all_tensors(worker)):
+        out[:, info.cpu_offset:info.cpu_offset + info.block_bytes] = rows[gpu_ids]
+    return out
+
+
+def round_trip(backend, workers, rng, n=5):
+    """Fresh random bytes in n random blocks, swapped out, overwritten at the destination, swapped back in
+    elsewhere: every byte checked in the CPU tier and on the GPU of every rank."""
+    spec = backend.spec
+    src = rng.choice(spec.num_gpu_blocks, n, replace=False)
+    cpu = np.array(backend.allocate_cpu_blocks(n))
+    try:
+        for w in workers:
+            for rows in all_tensors(w):
+                rows[src] = rng.integers(1, 256, rows[src].shape, dtype=np.uint8)
+        want = [cpu_image(w, src) for w in workers]
+        backend.swap_out(src, cpu).result(timeout=10)
+        for r in range(len(workers)):
+            np.testing.assert_array_equal(backend.cpu_tier(r)[cpu], want[r])
+        dst = rng.choice(spec.num_gpu_blocks, n, replace=False)
+        for w in workers:       # fresh bytes at the destination: a missed copy must show
+            for rows in all_tensors(w):
+                rows[dst] = rng.integers(1, 256, rows[dst].shape, dtype=np.uint8)
+        backend.swap_in(dst, cpu).result(timeout=10)
+        for r, w in enumerate(workers):
+            np.testing.assert_array_equal(cpu_image(w, dst), want[r])
+    finally:
+        backend.free_cpu_blocks(cpu.tolist())

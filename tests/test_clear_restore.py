@@ -9,31 +9,12 @@ import pytest
 from fastcache import SwapBackend, TransferError
 from fastcache.ipc.signal import CLEARED, NORMAL
 from fastcache.launch import shm_bytes, start_workers, stop_workers
-from fastcache.worker import CacheWorker
 
-from conftest import all_tensors, deployment, randomize, small_spec
+from conftest import all_tensors, deployment, randomize, round_trip, small_spec
 
 
 def cache_segments(suffix):
     return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"fastcache.{suffix}.cache_rank"))
-
-
-def round_trip(backend, workers, rng, n=4):
-    spec = backend.spec
-    for w in workers:
-        randomize(w, rng)
-    src = rng.choice(spec.num_gpu_blocks, n, replace=False)
-    cpu = np.array(backend.allocate_cpu_blocks(n))
-    want = [[rows[src].copy() for rows in all_tensors(w)] for w in workers]
-    backend.swap_out(src, cpu).result(timeout=20)
-    for w in workers:
-        randomize(w, rng)
-    dst = rng.choice(spec.num_gpu_blocks, n, replace=False)
-    backend.swap_in(dst, cpu).result(timeout=20)
-    for w, rows_wanted in zip(workers, want):
-        for rows, wanted in zip(all_tensors(w), rows_wanted):
-            assert np.array_equal(rows[dst], wanted)
-    backend.free_cpu_blocks(cpu.tolist())
 
 
 def test_clear_frees_shared_memory_and_restore_brings_new_tensors():
@@ -200,7 +181,6 @@ def test_clear_with_a_killed_transfer_manager_fails_naming_it():
 
 
 def test_worker_processes_follow_clear_and_restore():
-    rng = np.random.default_rng(8)
     spec = small_spec(num_gpu_blocks=128)
     with SwapBackend(spec, tp_size=2, device="sim") as backend:
         procs = start_workers(backend, None, "numpy")

@@ -27,23 +27,13 @@ from fastcache.ipc.shm import SHM_DIR
 from fastcache.launch import Checks, Verifier, random_swap_round, start_workers, stop_workers
 from fastcache.tools.cleanup import find_stale
 
-from conftest import all_tensors, deployment, randomize, small_spec
+from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT = 0.2          # seconds between beats in these tests (workers and transfer managers)
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def cpu_image(worker, gpu_ids) -> np.ndarray:
-    """What CPU blocks holding these GPU blocks of the worker must contain: [n, cpu_block_bytes]."""
-    spec = worker.spec
-    gpu_ids = np.asarray(gpu_ids)
-    out = np.empty((len(gpu_ids), spec.cpu_block_bytes), np.uint8)
-    for info, rows in zip(spec.tensors(worker.rank, worker.device_id), all_tensors(worker)):
-        out[:, info.cpu_offset:info.cpu_offset + info.block_bytes] = rows[gpu_ids]
-    return out
-
-
 def deployment_entries(suffix: str) -> set[str]:
     return {e for e in os.listdir(SHM_DIR) if e.startswith(f"{PREFIX}.{suffix}.")}
 
@@ -73,27 +63,6 @@ class Stopped:
                 self.proc.kill()
         except psutil.Error:
             pass
-
-
-def round_trip(backend, workers, rng, n=5):
-    """Swap random blocks out and back in elsewhere on every rank; assert every byte."""
-    spec = backend.spec
-    src = rng.choice(spec.num_gpu_blocks, n, replace=False)
-    cpu = np.array(backend.allocate_cpu_blocks(n))
-    try:
-        want = [cpu_image(w, src) for w in workers]
-        backend.swap_out(src, cpu).result(timeout=10)
-        for r, w in enumerate(workers):
-            np.testing.assert_array_equal(backend.cpu_tier(r)[cpu], want[r])
-        dst = rng.choice(spec.num_gpu_blocks, n, replace=False)
-        for w in workers:       # fresh bytes at the destination: a missed copy must show
-            for rows in all_tensors(w):
-                rows[dst] = rng.integers(1, 256, rows[dst].shape, dtype=np.uint8)
-        backend.swap_in(dst, cpu).result(timeout=10)
-        for r, w in enumerate(workers):
-            np.testing.assert_array_equal(cpu_image(w, dst), want[r])
-    finally:
-        backend.free_cpu_blocks(cpu.tolist())
 
 
 def wait_for(predicate, timeout, what):
@@ -178,7 +147,7 @@ def test_sigstop_of_a_transfer_manager_is_detected_by_heartbeat_then_restart_rec
         kept = [cpu_image(w, kept_gpu) for w in workers]
 
         old_pid = backend.transfer_pids[victim]
-        with Stopped(old_pid) as stopped:
+        with Stopped(old_pid):
             stopped_at = time.monotonic()
             handle = backend.swap_out([1, 2], [1, 2])
             with pytest.raises(TransferError) as err:

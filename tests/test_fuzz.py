@@ -27,7 +27,7 @@ from fastcache.ipc import protocol
 from fastcache.ipc.protocol import ProtocolError
 from fastcache.ipc.queue import reply_endpoint
 
-from conftest import all_tensors, deployment, randomize, small_spec
+from conftest import deployment, round_trip, small_spec
 
 LIVE = settings(max_examples=50, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -158,34 +158,6 @@ def acceptable_live(frames, task_floor=10**9):
         return True
     header = got[0]
     return header["type"] not in CONTROL and (header["type"] != "task" or header["task_id"] >= task_floor)
-
-
-def cpu_image(worker, gpu_ids):
-    spec = worker.spec
-    out = np.empty((len(gpu_ids), spec.cpu_block_bytes), np.uint8)
-    for info, rows in zip(spec.tensors(worker.rank, worker.device_id), all_tensors(worker)):
-        out[:, info.cpu_offset:info.cpu_offset + info.block_bytes] = rows[np.asarray(gpu_ids)]
-    return out
-
-
-def round_trip(backend, workers, rng, n=6):
-    """Fresh random data, swap out and back in elsewhere, every byte checked on every rank."""
-    spec = backend.spec
-    for w in workers:
-        randomize(w, rng)
-    src = rng.choice(spec.num_gpu_blocks, n, replace=False)
-    cpu = rng.choice(spec.num_cpu_blocks, n, replace=False)
-    want = [cpu_image(w, src) for w in workers]
-    backend.swap_out(src, cpu).result(timeout=10)
-    for r in range(len(workers)):
-        np.testing.assert_array_equal(backend.cpu_tier(r)[cpu], want[r])
-    dst = rng.choice(spec.num_gpu_blocks, n, replace=False)
-    for w in workers:
-        for rows in all_tensors(w):
-            rows[dst] = rng.integers(1, 256, rows[dst].shape, dtype=np.uint8)
-    backend.swap_in(dst, cpu).result(timeout=10)
-    for r, w in enumerate(workers):
-        np.testing.assert_array_equal(cpu_image(w, dst), want[r])
 
 
 def engine_records(caplog):

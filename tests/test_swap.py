@@ -132,7 +132,7 @@ BAD_REQUESTS = [
     ([0], [16], "out of range"),
     ([-1], [0], "out of range"),
     ([1, 2], [0], "has 2 ids but"),
-    ([], [], "at least one"),
+    ([], [], "moves 1.."),
     ([1.0], [0], "integers"),
     ([[1]], [[0]], "one-dimensional"),
     ("12", [0], "sequence of ints"),

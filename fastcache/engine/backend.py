@@ -198,8 +198,8 @@ class SwapBackend:
         cpu_ids = _as_ids(cpu_block_ids, "cpu_block_ids")
         if len(gpu_ids) != len(cpu_ids):
             raise ValueError(f"gpu_block_ids has {len(gpu_ids)} ids but cpu_block_ids has {len(cpu_ids)}")
-        if len(gpu_ids) == 0:
-            raise ValueError("a swap needs at least one block")
+        if not 0 < len(gpu_ids) <= protocol.MAX_IDS:
+            raise ValueError(f"a swap moves 1..{protocol.MAX_IDS} blocks, got {len(gpu_ids)}")
         protocol.check_ids(gpu_ids, cpu_ids, kind, self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
         wire = np.int32 if max(self.spec.num_gpu_blocks, self.spec.num_cpu_blocks) < 2**31 else np.int64
         return gpu_ids.astype(wire), cpu_ids.astype(wire)
@@ -302,7 +302,7 @@ class SwapBackend:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-        self._mark_failed(rank, "restarted")
+        self._mark_failed(rank, "its transfer manager was restarted", level=logging.INFO)
         self._failed.pop(rank, None)
         self._spawn(rank)
         if self.signals.status == NORMAL:
@@ -313,10 +313,10 @@ class SwapBackend:
         if self._failed:
             raise TransferError("; ".join(f"rank {r}: {why}" for r, why in sorted(self._failed.items())))
 
-    def _mark_failed(self, rank: int, why: str):
+    def _mark_failed(self, rank: int, why: str, level=logging.ERROR):
         """Take a rank out of service and fail everything it still owes."""
         if rank not in self._failed:
-            log.error("rank %d: %s", rank, why)
+            log.log(level, "rank %d: %s", rank, why)
         self._failed[rank] = why
         self._attached[rank] = False
         with self._handles_lock:
