@@ -2,8 +2,8 @@
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, spawns one transfer
 manager per rank and supervises them, turns swap requests into validated tasks, aggregates the ranks'
-reports into one result per task, and drives clear/restore. One I/O thread owns the queue's socket;
-callers hand it submissions over an inproc socket.
+reports into one result per task, and drives clear/restore. The submitting thread writes each task to
+the ranks' task sockets itself (under a lock); one I/O thread reads the replies and supervises.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ..ipc.queue import bind_engine, identity_rank, make_socket_dir, remove_sock
 from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..ops import resolve_device
+from ..tools.cleanup import remove_dead
 from ..transfer import EXIT_REASONS
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
@@ -54,6 +55,8 @@ class SwapBackend:
         self.suffix = suffix or new_suffix()
         self.settings = settings or Settings.from_env()
         self.device_ids = list(device_ids) if device_ids is not None else list(range(tp_size))
+        if len(self.device_ids) != tp_size:
+            raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self._handles: dict[int, TransferHandle] = {}
@@ -82,7 +85,6 @@ class SwapBackend:
     def start(self):
         if self._started:
             return self
-        from ..tools.cleanup import remove_dead
         remove_dead()
         self._started = True
         try:
@@ -475,7 +477,6 @@ class SwapBackend:
             self.signals.close()
         if hasattr(self, "socket_dir"):
             remove_socket_dir(self.socket_dir)
-        from ..tools.cleanup import remove_dead
         remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
 
     def _stop_processes(self, grace: float = 5.0):
