@@ -25,7 +25,7 @@ from fastcache.ipc.heartbeat import process_alive
 from fastcache.ipc.naming import PREFIX
 from fastcache.ipc.shm import SHM_DIR
 from fastcache.launch import Checks, Verifier, random_swap_round, start_workers, stop_workers
-from fastcache.tools.cleanup import find_stale
+from fastcache.ipc.leftovers import find_stale
 
 from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec
 

@@ -30,7 +30,7 @@ from ..ipc.queue import bind_engine, identity_rank, make_socket_dir, remove_sock
 from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..ops import resolve_device
-from ..tools.cleanup import remove_dead
+from ..ipc.leftovers import remove_dead
 from ..transfer import EXIT_REASONS
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
