@@ -172,6 +172,18 @@ def dealer(context, identity=None):
     return sock
 
 
+def send_as_peer(backend, identity, frames):
+    """Connect a peer of our own to the engine's reply socket, send one message, and leave."""
+    context = zmq.Context()
+    try:
+        sock = dealer(context, identity)
+        sock.connect(reply_endpoint(backend.socket_dir))
+        sock.send_multipart(frames)
+        sock.close()
+    finally:
+        context.term()      # returns once the message has been handed over
+
+
 def wait_for(predicate, timeout, what):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -372,14 +384,7 @@ def test_engine_survives_malformed_replies_from_rank_identities_and_logs_once(ca
 def test_engine_drops_a_frame_over_zmq_max_message_size_and_keeps_working(caplog):
     rng = np.random.default_rng(25)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        context = zmq.Context()
-        try:
-            sock = dealer(context, b"rank0-impostor")
-            sock.connect(reply_endpoint(backend.socket_dir))
-            sock.send_multipart([b"x" * ((1 << 28) + 1)])
-            sock.close()
-        finally:
-            context.term()
+        send_as_peer(backend, b"rank0-impostor", [b"x" * ((1 << 28) + 1)])
         round_trip(backend, workers, rng)
         assert backend._io_thread.is_alive()
 
@@ -422,14 +427,7 @@ def test_transfer_manager_survives_a_deeply_nested_task_message():
 def test_engine_survives_a_reply_that_breaks_decode(junk):
     rng = np.random.default_rng(27)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        context = zmq.Context()
-        try:
-            sock = dealer(context, b"rank00")
-            sock.connect(reply_endpoint(backend.socket_dir))
-            sock.send_multipart([junk])
-            sock.close()
-        finally:
-            context.term()
+        send_as_peer(backend, b"rank00", [junk])
         time.sleep(0.3)
         assert backend._io_thread.is_alive()
         round_trip(backend, workers, rng)
@@ -438,14 +436,7 @@ def test_engine_survives_a_reply_that_breaks_decode(junk):
 def test_engine_survives_a_peer_with_a_non_ascii_digit_identity():
     rng = np.random.default_rng(28)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        context = zmq.Context()
-        try:
-            sock = dealer(context, "rank\u00b2".encode())
-            sock.connect(reply_endpoint(backend.socket_dir))
-            sock.send_multipart([b"{}"])
-            sock.close()
-        finally:
-            context.term()
+        send_as_peer(backend, "rank\u00b2".encode(), [b"{}"])
         time.sleep(0.3)
         assert backend._io_thread.is_alive()
         round_trip(backend, workers, rng)
@@ -454,14 +445,7 @@ def test_engine_survives_a_peer_with_a_non_ascii_digit_identity():
 def test_a_peer_reusing_a_rank_identity_cannot_steal_that_ranks_replies():
     rng = np.random.default_rng(29)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        context = zmq.Context()
-        try:
-            sock = dealer(context, b"rank0")
-            sock.connect(reply_endpoint(backend.socket_dir))
-            sock.send_multipart([b"junk"])
-            sock.close()
-        finally:
-            context.term()
+        send_as_peer(backend, b"rank0", [b"junk"])
         time.sleep(0.3)
         try:
             backend.swap_out([1, 2], [3, 4]).result(timeout=3)

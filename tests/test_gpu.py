@@ -18,22 +18,13 @@ from fastcache.errors import TransferError
 from fastcache.ipc.naming import new_suffix, swap_space_name
 from fastcache.ipc.shm import SharedSegment
 from fastcache.ops import cuda_usable
+from fastcache.tools.bench import pick_framework
 
 METHODS = ("staged", "kernel", "batch", "memcpy")
 
 
-def _framework():
-    for name in ("torch", "cupy"):
-        try:
-            __import__(name)
-            return name
-        except ImportError:
-            continue
-    return None
-
-
 GPU = cuda_usable()
-FRAMEWORK = _framework() if GPU else None
+FRAMEWORK = pick_framework(None) if GPU else None
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not GPU, reason="no usable CUDA GPU"),
               pytest.mark.skipif(GPU and FRAMEWORK is None, reason="needs torch or cupy to allocate the cache")]
