@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fastcache import SwapBackend, TransferError
-from fastcache.ipc.signal import CLEARED, NORMAL
+from fastcache.ipc.signal import CLEARED, CLEARING, NORMAL
 from fastcache.launch import shm_bytes, start_workers, stop_workers
 
 from conftest import all_tensors, deployment, randomize, round_trip, small_spec
@@ -194,3 +194,39 @@ def test_worker_processes_follow_clear_and_restore():
                 assert len(cache_segments(backend.suffix)) == 2
         finally:
             stop_workers(procs)
+
+
+def test_a_restore_that_failed_on_a_dead_rank_is_retried_after_a_restart():
+    rng = np.random.default_rng(9)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        round_trip(backend, workers, rng)
+        backend.clear_caches(timeout=30)
+        os.kill(backend.transfer_pids[1], 9)
+        with pytest.raises(TransferError, match="rank 1"):
+            backend.restore_caches(timeout=10)
+        backend.restart_rank(1)
+        backend.restore_caches(timeout=30)
+        assert backend.status == NORMAL
+        round_trip(backend, workers, rng)
+
+
+def test_a_clear_that_broke_midway_can_be_retried_after_a_restart():
+    """A stalled transfer manager breaks the clear (status stays CLEARING); after restart_rank the
+    same clear is attempted again and succeeds, and workers take part in the new attempt."""
+    import signal
+    rng = np.random.default_rng(10)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        round_trip(backend, workers, rng)
+        stalled = backend.transfer_pids[1]
+        os.kill(stalled, signal.SIGSTOP)
+        try:
+            with pytest.raises(TransferError, match="transfer manager rank 1 did not arrive in time"):
+                backend.clear_caches(timeout=2)
+            assert backend.status == CLEARING
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        backend.restart_rank(1)
+        backend.clear_caches(timeout=30)
+        assert cache_segments(backend.suffix) == []
+        backend.restore_caches(timeout=30)
+        round_trip(backend, workers, rng)

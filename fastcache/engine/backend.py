@@ -24,7 +24,7 @@ import zmq
 from ..config import CacheSpec, Settings
 from ..errors import TransferError
 from ..ipc import protocol
-from ..ipc.barrier import BrokenBarrierError, RankBarrier
+from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.queue import bind_engine, identity_rank, make_socket_dir, remove_socket_dir
 from ..ipc.shm import SHM_DIR, SharedSegment
@@ -89,10 +89,8 @@ class SwapBackend:
         self._started = True
         try:
             self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True)
-            names = ["engine"] + [f"transfer manager rank {r}" for r in range(self.tp_size)] + \
-                    [f"worker rank {r}" for r in range(self.tp_size)]
-            self.barrier = RankBarrier(self.suffix, len(names), create=True, party_names=names)
-            self.barrier.register(0)
+            self.barrier = phase_barrier(self.suffix, self.tp_size, create=True)
+            self.barrier.register(ENGINE_PARTY)
             self._create_swap_spaces()
             self.socket_dir = make_socket_dir(self.suffix)
             self._context = zmq.Context()
@@ -245,7 +243,7 @@ class SwapBackend:
         with self._phase_lock:
             if self.signals.status == NORMAL:
                 return
-            if self.signals.status != CLEARED:
+            if self.signals.status not in (CLEARED, UPDATING):      # UPDATING: a failed restore, retried
                 raise TransferError(f"restore needs a cleared cache; kv_cache_status is "
                                     f"{STATUS_NAMES.get(self.signals.status)}")
             self._raise_if_failed()
@@ -274,7 +272,7 @@ class SwapBackend:
             self._phase_acks[phase] = {}
         self._send_all(message)
         try:
-            self.barrier.wait(0, max(0.0, deadline - time.monotonic()))
+            self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
             raise TransferError(f"{phase} failed: {exc}") from None
         with self._phase_cond:
@@ -305,11 +303,12 @@ class SwapBackend:
             proc.kill()
             proc.wait()
         self._mark_failed(rank, "its transfer manager was restarted", level=logging.INFO)
-        self._failed.pop(rank, None)
         self._spawn(rank)
-        if self.signals.status == NORMAL:
-            deadline = time.monotonic() + timeout
-            self._wait_signals(lambda: self._attached[rank], deadline, f"restart of rank {rank}")
+        self._failed.pop(rank, None)    # only now: supervision must never see the old process in service
+        # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
+        # attached too when the cache is up (in CLEARED it attaches on restore)
+        ready = (lambda: self._attached[rank]) if self.signals.status == NORMAL else (lambda: self._registered[rank])
+        self._wait_signals(ready, time.monotonic() + timeout, f"restart of rank {rank}")
 
     def _raise_if_failed(self):
         if self._failed:

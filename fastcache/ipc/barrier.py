@@ -31,13 +31,14 @@ class RankBarrier:
         self.party_names = list(party_names) if party_names else [f"party {i}" for i in range(parties)]
         if parties > 63:
             raise ValueError("a RankBarrier holds at most 63 parties")
-        nbytes = 8 * (2 * parties + 3)
+        nbytes = 8 * (2 * parties + 4)
         name = barrier_name(suffix)
         self._seg = SharedSegment.create(name, nbytes, suffix) if create else SharedSegment.attach(name, suffix)
-        table = self._seg.array(np.int64, (2 * parties + 3,))
+        table = self._seg.array(np.int64, (2 * parties + 4,))
         self._arrived = table[:parties]            # generation each party has reached
         self._pids = table[parties:2 * parties]    # pid registered by each party (0 = none)
-        self._broken = table[2 * parties:]         # [highest generation that broke, missing-party mask, died?]
+        self._broken = table[2 * parties:2 * parties + 3]  # [highest broken generation, culprit mask, died?]
+        self._epoch = table[2 * parties + 3:]              # counts resets: a new attempt at a phase
         if create:
             table[...] = 0
 
@@ -46,8 +47,14 @@ class RankBarrier:
         self._pids[party] = os.getpid() if pid is None else pid
 
     def reset(self):
-        """Align every slot after a broken generation; call only while no party waits (between phases)."""
+        """Align every slot after a broken generation and start a new epoch; call only while no party
+        waits (between phases)."""
         self._arrived[...] = max(int(self._arrived.max()), int(self._broken[0]))
+        self._epoch[0] += 1
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch[0])
 
     def generation(self, party: int) -> int:
         return int(self._arrived[party])
@@ -75,7 +82,7 @@ class RankBarrier:
     def _error(self, gen, timeout) -> BrokenBarrierError:
         mask, died = int(self._broken[1]), bool(self._broken[2])
         culprits = [p for p in range(self.parties) if mask >> p & 1]
-        why = "died" if died else f"did not arrive in time (timeout {timeout:g} s)"
+        why = "died" if died else f"did not arrive in time (timeout {timeout:.1f} s)"
         names = ", ".join(self.party_names[p] for p in culprits) or "another party"
         return BrokenBarrierError(f"{names} {why} (phase barrier generation {gen})", culprits)
 
@@ -84,5 +91,23 @@ class RankBarrier:
         return pid == 0 or process_alive(pid)    # unregistered: only the timeout can rule it out
 
     def close(self):
-        self._arrived = self._pids = self._broken = None
+        self._arrived = self._pids = self._broken = self._epoch = None
         self._seg.close()
+
+
+# The deployment's phase barrier: the engine, then one party per transfer manager, then one per worker.
+ENGINE_PARTY = 0
+
+
+def transfer_party(rank: int) -> int:
+    return 1 + rank
+
+
+def worker_party(tp_size: int, rank: int) -> int:
+    return 1 + tp_size + rank
+
+
+def phase_barrier(suffix: str, tp_size: int, create: bool = False) -> RankBarrier:
+    names = (["engine"] + [f"transfer manager rank {r}" for r in range(tp_size)]
+             + [f"worker rank {r}" for r in range(tp_size)])
+    return RankBarrier(suffix, len(names), create=create, party_names=names)

@@ -20,7 +20,7 @@ import zmq
 from ..config import CacheSpec, Settings
 from ..ipc import protocol
 from ..ipc.heartbeat import Heartbeat, process_alive
-from ..ipc.barrier import BrokenBarrierError, RankBarrier
+from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
 from ..ipc.naming import manifest_name, swap_space_name
 from ..ipc.queue import connect_client
 from ..ipc.shm import SegmentError, SharedSegment
@@ -49,8 +49,8 @@ class TransferManager:
         self.ops = get_ops(device)
         self.infos = spec.tensors(rank, device_id)
         self.signals = DeploymentSignals(suffix, tp_size)
-        self.barrier = RankBarrier(suffix, 1 + 2 * tp_size)
-        self.barrier.register(1 + rank)
+        self.barrier = phase_barrier(suffix, tp_size)
+        self.barrier.register(transfer_party(rank))
         self.context = zmq.Context()
         self.tasks, self.sock = connect_client(self.context, socket_dir, rank)
         self.done_pull = self.context.socket(zmq.PULL)
@@ -115,7 +115,7 @@ class TransferManager:
 
     def _phase_barrier(self, phase, next_phase):
         try:
-            self.barrier.wait(1 + self.rank, self.settings.phase_timeout)
+            self.barrier.wait(transfer_party(self.rank), self.settings.phase_timeout)
         except BrokenBarrierError as exc:
             log.error("rank %d: %s barrier broke: %s", self.rank, phase, exc)
             self.phase = "running" if phase == "restore" else "cleared"

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from ..config import CacheSpec, Settings
-from ..ipc.barrier import RankBarrier
+from ..ipc.barrier import phase_barrier, worker_party
 from ..ipc.heartbeat import Heartbeat
 from ..ipc.naming import manifest_name
 from ..ipc.shm import SharedSegment
@@ -71,7 +71,7 @@ class CacheWorker:
     def start(self):
         """Allocate and export the cache, set cache_ready[r]=1, and start beating."""
         self.signals = DeploymentSignals(self.suffix, self.tp_size)
-        self.barrier = RankBarrier(self.suffix, 1 + 2 * self.tp_size)
+        self.barrier = phase_barrier(self.suffix, self.tp_size)
         self.barrier.register(self._party)
         self._allocate()
         self._heartbeat = Heartbeat(self.signals.worker_heartbeat, self.rank, self.settings.heartbeat_interval)
@@ -83,7 +83,7 @@ class CacheWorker:
 
     @property
     def _party(self):
-        return 1 + self.tp_size + self.rank
+        return worker_party(self.tp_size, self.rank)
 
     def _allocate(self):
         self.generation += 1
@@ -104,25 +104,26 @@ class CacheWorker:
         self.signals.cache_ready[self.rank] = 0     # only now is the memory really free
 
     def _watch(self):
-        """Follow kv_cache_status through clear and restore (DESIGN §6)."""
-        failed_status = None
+        """Follow kv_cache_status through clear and restore (DESIGN §6): take part once in every attempt
+        at a phase (the barrier's epoch counts the engine's attempts), whatever an earlier one left."""
+        done = None         # (status, epoch) this worker has already taken part in
         while not self._stop.wait(0.005):
-            status = self.signals.status
-            if status == failed_status:
-                continue        # this phase already failed here; wait for the engine's next move
-            failed_status = None
+            attempt = (self.signals.status, self.barrier.epoch)
+            if attempt == done or attempt[0] not in (CLEARING, UPDATING):
+                continue
+            done = attempt
             try:
-                if status == CLEARING and self._cache is not None:
+                if attempt[0] == CLEARING:
                     # free only once every transfer manager has dropped its mappings
                     self.barrier.wait(self._party, self.settings.phase_timeout)
                     self._release()
-                elif status == UPDATING and self._cache is None:
-                    self._allocate()
+                else:
+                    if self._cache is None:
+                        self._allocate()
                     self.barrier.wait(self._party, self.settings.phase_timeout)
             except Exception as exc:    # a failed phase leaves the cache as it is; the engine reports it
-                log.error("rank %d: %s phase failed (%s); keeping the cache as it is", self.rank,
-                          "clear" if status == CLEARING else "restore", exc)
-                failed_status = status
+                log.error("rank %d: %s failed (%s); keeping the cache as it is", self.rank,
+                          "clear" if attempt[0] == CLEARING else "restore", exc)
 
     def close(self):
         """Stop beating, free the cache, and detach from the deployment."""
