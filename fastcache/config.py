@@ -153,14 +153,17 @@ def _check_int(name, value, minimum):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _env_float(name, default):
+def _env_float(name, default, positive=False):
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,8 @@ class Settings:
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
+    staging_mb: float = 32.0            # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer
+    kernel_blocks: int = 8              # FASTCACHE_KERNEL_BLOCKS (cuda kernel): thread blocks of the copy kernel
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -185,4 +190,6 @@ class Settings:
             clear_swap_space=env.get("FASTCACHE_CLEAR_SWAP_SPACE", "0") not in ("", "0", "false", "False"),
             copy_method=env.get("FASTCACHE_COPY_METHOD", cls.copy_method),
             inline_bytes=int(_env_float("FASTCACHE_INLINE_BYTES", cls.inline_bytes)),
+            staging_mb=_env_float("FASTCACHE_STAGING_MB", cls.staging_mb, positive=True),
+            kernel_blocks=int(_env_float("FASTCACHE_KERNEL_BLOCKS", cls.kernel_blocks, positive=True)),
         )

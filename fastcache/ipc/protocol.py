@@ -109,11 +109,21 @@ def _task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
 def check_ids(gpu_ids, cpu_ids, kind: str, num_gpu_blocks: int, num_cpu_blocks: int):
     """Range, sign and duplicate-destination checks shared by the engine and the transfer manager."""
     for label, ids, bound in (("gpu", gpu_ids, num_gpu_blocks), ("cpu", cpu_ids, num_cpu_blocks)):
-        if ids.size and (ids.min() < 0 or ids.max() >= bound):
+        low, high = _min_max(ids)
+        if low < 0 or high >= bound:
             bad = ids[(ids < 0) | (ids >= bound)][0]
             raise ValueError(f"{label} block id {int(bad)} out of range 0..{bound - 1}")
     dest_label, dest = ("cpu", cpu_ids) if kind == SWAP_TO_CPU else ("gpu", gpu_ids)
-    # a Python set is far cheaper than np.unique for the one-block tasks on the latency path
-    distinct = len(set(dest.tolist())) if len(dest) < 256 else len(np.unique(dest))
+    distinct = len(set(dest.tolist())) if len(dest) < SMALL_TASK else len(np.unique(dest))
     if distinct != len(dest):
         raise ValueError(f"duplicate destination {dest_label} block ids")
+
+
+SMALL_TASK = 256    # below this many ids Python's min/max/set beat NumPy's calls (the latency path)
+
+
+def _min_max(ids):
+    if len(ids) < SMALL_TASK:
+        values = ids.tolist()
+        return min(values), max(values)
+    return ids.min(), ids.max()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
-import os
 import threading
 import time
 
@@ -35,19 +34,6 @@ METHODS = ("staged", "kernel", "batch", "memcpy")
 PIN_CHUNK_BYTES = 256 << 20      # cudaHostRegister granularity: ~0.1 s of pinning per chunk
 STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
 IPC_HANDLE_BYTES = 64
-
-
-def _env_number(name: str, default, kind):
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a {kind.__name__}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
-    return value
 
 
 # -- framework specifics ---------------------------------------------------------------------------
@@ -493,10 +479,9 @@ class BatchCopier(MemcpyCopier):
 def make_copier(method: str, cache: DeviceTensors, swap: CudaSwapSpace, spec: CacheSpec) -> Copier:
     """A copier of `method` over plain per-tensor device pointers (`cache.pointers`)."""
     if method == "staged":
-        staging_mb = _env_number("FASTCACHE_STAGING_MB", 32.0, float)
-        return StagedCopier(cache, swap, spec, staging_bytes=int(staging_mb * (1 << 20)))
+        return StagedCopier(cache, swap, spec, staging_bytes=int(Settings.from_env().staging_mb * (1 << 20)))
     if method == "kernel":
-        return KernelCopier(cache, swap, spec, blocks=_env_number("FASTCACHE_KERNEL_BLOCKS", 8, int))
+        return KernelCopier(cache, swap, spec, blocks=Settings.from_env().kernel_blocks)
     if method == "batch":
         return BatchCopier(cache, swap, spec)
     if method == "memcpy":
