@@ -46,3 +46,10 @@ def test_help_explains_the_options():
     assert run.returncode == 0
     for option in ("--tp", "--device", "--framework", "--duration", "--rl-cycles", "--num-gpu-blocks"):
         assert option in run.stdout
+
+
+def test_paddle_worker_processes():
+    pytest.importorskip("paddle")
+    run = launch("--framework", "paddle", "--duration", "0.5", "--rl-cycles", "1", "--latency-samples", "20")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "framework=paddle" in run.stdout and "0 failed: PASSED" in run.stdout
