@@ -256,7 +256,8 @@ class TransferManager:
         self.heartbeat.stop()
         for kind, thread in zip(protocol.TASK_KINDS, self.threads):
             self.queues[kind].put(None)
-            thread.join(timeout=5)
+            if thread.ident is not None:        # started (run() was called)
+                thread.join(timeout=5)
         self.release_swap = True
         self._detach()
         self.sock.close(0)
