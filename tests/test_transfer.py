@@ -34,11 +34,25 @@ def test_cli_rejects_bad_arguments_clearly():
     assert run.returncode == 2 and "give --spec" in run.stderr
 
 
+def idle_cost(pids, seconds):
+    """(CPU-seconds, wake-ups per second) of each process over `seconds` of idling. Wake-ups (voluntary
+    context switches) show a polling loop long before the CPU clock's 10 ms ticks do."""
+    procs = [psutil.Process(pid) for pid in pids]
+
+    def sample(p):
+        return sum(p.cpu_times()[:2]), p.num_ctx_switches().voluntary
+
+    before = [sample(p) for p in procs]
+    time.sleep(seconds)
+    after = [sample(p) for p in procs]
+    return [(a[0] - b[0], (a[1] - b[1]) / seconds) for a, b in zip(after, before)]
+
+
 def test_idle_transfer_managers_sleep():
     with deployment(small_spec(), tp=2) as (backend, _):
         backend.swap_out([1], [1]).result(timeout=10)
-        procs = [psutil.Process(pid) for pid in backend.transfer_pids]
-        before = [sum(p.cpu_times()[:2]) for p in procs]
-        time.sleep(3)
-        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
-        assert max(used) < 0.03, f"idle transfer managers used {used} CPU-seconds in 3 s"
+        for state in ("ready", "cleared"):
+            cost = idle_cost(backend.transfer_pids, 3)
+            assert all(cpu < 0.03 and wakeups < 20 for cpu, wakeups in cost), \
+                f"{state} transfer managers (CPU-seconds in 3 s, wake-ups/s): {cost}"
+            backend.clear_caches(timeout=30)        # a weight update can take minutes: sleep through it

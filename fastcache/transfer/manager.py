@@ -79,7 +79,9 @@ class TransferManager:
         poller.register(self.done_pull, zmq.POLLIN)
         self.heartbeat.start()
         while True:
-            waiting = self.phase in ("clearing", "restoring") or self.cache is None or self.swap is None
+            # poll briefly only while something is about to become ready; a cleared cache just sleeps
+            waiting = self.phase in ("clearing", "restoring") or \
+                (self.phase == "running" and (self.cache is None or self.swap is None))
             events = dict(poller.poll(5 if waiting else 1000))
             if self.done_pull in events:
                 self._drain_completions()
