@@ -27,6 +27,10 @@ from .ops.frameworks import FRAMEWORKS
 from .transfer.manager import read_manifest
 
 
+# host-memory frameworks hold the sim device's tensors; GPU frameworks the cuda device's
+DEVICE_FRAMEWORKS = {"sim": ("numpy", "paddle", "torch"), "cuda": ("torch", "cupy", "paddle")}
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m fastcache.launch", description=__doc__,
@@ -286,6 +290,22 @@ def start_workers(backend, args, framework):
     return procs
 
 
+def wait_until_ready(backend, workers, timeout):
+    """backend.wait_ready, but a worker process that dies on the way fails it at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for rank, proc in enumerate(workers):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker rank {rank} (pid {proc.pid}) exited with status {proc.returncode} "
+                                   f"before the deployment was ready (its error is above)")
+        try:
+            backend.wait_ready(timeout=0.05)
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
 def stop_workers(procs):
     for proc in procs:
         if proc.poll() is None:
@@ -322,6 +342,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
     framework = args.framework or ("numpy" if device == "sim" else "torch")
+    if framework not in DEVICE_FRAMEWORKS[device]:
+        print(f"fastcache.launch: framework {framework!r} does not run on device {device!r} "
+              f"(choose from {', '.join(DEVICE_FRAMEWORKS[device])})", file=sys.stderr)
+        return 2
     try:
         spec = CacheSpec(num_layers=args.num_layers, num_gpu_blocks=args.num_gpu_blocks,
                          num_cpu_blocks=args.num_cpu_blocks, block_size=args.block_size,
@@ -345,7 +369,7 @@ def main(argv=None) -> int:
         suffix = backend.suffix
         try:
             workers = start_workers(backend, args, framework)
-            backend.wait_ready(timeout=120)
+            wait_until_ready(backend, workers, timeout=120)
             print(f"  ready: transfer managers {backend.transfer_pids}, workers {[w.pid for w in workers]}",
                   flush=True)
             verifier = Verifier(backend, device, rng)

@@ -35,7 +35,8 @@ def test_a_failed_check_makes_the_exit_status_nonzero():
 
 
 @pytest.mark.parametrize("args,message", [(["--num-layers", "0"], "num_layers"),
-                                          (["--num-cpu-blocks", str(10**9)], "GiB")])
+                                          (["--num-cpu-blocks", str(10**9)], "GiB"),
+                                          (["--framework", "cupy"], "does not run on device 'sim'")])
 def test_bad_geometry_is_a_clear_error(args, message):
     run = launch(*args)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
@@ -53,3 +54,19 @@ def test_paddle_worker_processes():
     run = launch("--framework", "paddle", "--duration", "0.5", "--rl-cycles", "1", "--latency-samples", "20")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "framework=paddle" in run.stdout and "0 failed: PASSED" in run.stdout
+
+
+def test_a_worker_that_dies_before_ready_fails_the_wait_at_once():
+    import time
+
+    from fastcache import SwapBackend
+    from fastcache.launch import wait_until_ready
+
+    from conftest import small_spec
+    with SwapBackend(small_spec(), tp_size=1, device="sim") as backend:
+        dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+        dead.wait()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 0 .* exited with status 3 before"):
+            wait_until_ready(backend, [dead], timeout=60)
+        assert time.monotonic() - t0 < 5

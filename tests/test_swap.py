@@ -167,7 +167,7 @@ def test_swap_before_ready_is_refused_with_a_reason():
     with SwapBackend(small_spec(), tp_size=1, device="sim") as backend:
         with pytest.raises(TransferError, match="not ready"):
             backend.swap_out([1], [1])
-        with pytest.raises(TransferError, match="cache_ready=0"):
+        with pytest.raises(TimeoutError, match="cache_ready=0"):
             backend.wait_ready(timeout=0.5)
 
 

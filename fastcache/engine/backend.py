@@ -146,12 +146,13 @@ class SwapBackend:
         return self.signals.status
 
     def wait_ready(self, timeout: float = 30.0):
-        """Wait until every worker has exported its cache and every transfer manager has attached it."""
+        """Wait until every worker has exported its cache and every transfer manager has attached it.
+        Raises TransferError as soon as a rank fails, TimeoutError (saying what is missing) at the timeout."""
         deadline = time.monotonic() + timeout
         while not self._all_ready():
             self._raise_if_failed()
             if time.monotonic() > deadline:
-                raise TransferError(f"deployment not ready after {timeout} s: {self._readiness()}")
+                raise TimeoutError(f"deployment not ready after {timeout} s: {self._readiness()}")
             time.sleep(0.002)
         return self
 

@@ -30,7 +30,8 @@ from ..config import CACHE_DTYPES, CacheSpec
 from ..engine import SwapBackend
 from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
-from ..launch import Checks, Verifier, random_swap_round, rl_cycles, shm_bytes, start_workers, stop_workers
+from ..launch import (Checks, Verifier, random_swap_round, rl_cycles, shm_bytes, start_workers, stop_workers,
+                      wait_until_ready)
 
 MIB = 2**20
 
@@ -253,7 +254,7 @@ def main(argv=None) -> int:
         suffix, socket_dir = backend.suffix, backend.socket_dir
         try:
             workers = start_workers(backend, args, "numpy")
-            backend.wait_ready(timeout=120)
+            wait_until_ready(backend, workers, timeout=120)
             print(f"  ready: transfer managers {backend.transfer_pids}, workers {[w.pid for w in workers]}",
                   flush=True)
             soak = Soak(backend, args, rng, errors)
