@@ -4,8 +4,9 @@ from setuptools import find_packages, setup
 
 
 def requirements(name):
+    """The requirement lines of a requirements file, comments dropped."""
     lines = Path(__file__).with_name(name).read_text().splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return [req for req in (line.split("#", 1)[0].strip() for line in lines) if req]
 
 
 setup(
