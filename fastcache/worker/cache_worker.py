@@ -46,6 +46,7 @@ class CacheWorker:
         self.ops = get_ops(device)
         self.generation = 0
         self._cache = None
+        self._by_kind = {}      # kind -> the current tensors of that kind, layer order
         self._manifest = None
         self._stop = threading.Event()
         self._thread = None
@@ -53,10 +54,7 @@ class CacheWorker:
 
     # -- the tensors -----------------------------------------------------------------------------
     def _tensors(self, kind):
-        if self._cache is None:
-            return []
-        return [t for info, t in zip(self.spec.tensors(self.rank, self.device_id), self._cache.tensors.values())
-                if info.kind == kind]
+        return list(self._by_kind.get(kind, ()))
 
     key_caches = property(lambda self: self._tensors("key_caches"))
     value_caches = property(lambda self: self._tensors("value_caches"))
@@ -89,6 +87,8 @@ class CacheWorker:
         self.generation += 1
         self._cache = self.ops.allocate(self.spec, self.rank, self.device_id, self.framework, self.suffix,
                                         self.generation)
+        for info in self.spec.tensors(self.rank, self.device_id):
+            self._by_kind.setdefault(info.kind, []).append(self._cache.tensors[info.name])
         payload = json.dumps(self._cache.manifest).encode()
         self._manifest = SharedSegment.create(manifest_name(self.suffix, self.rank), len(payload), self.suffix)
         self._manifest.array(np.uint8, (len(payload),))[:] = np.frombuffer(payload, np.uint8)
@@ -98,6 +98,7 @@ class CacheWorker:
         if self._manifest is not None:
             self._manifest.close()
             self._manifest = None
+        self._by_kind = {}
         if self._cache is not None:
             self._cache.release()
             self._cache = None
