@@ -109,6 +109,9 @@ class SimCopier(Copier):
             else:
                 gpu[:, gpu_ids[keep]] = cpu[cpu_ids[keep]].transpose(1, 0, 2)
 
+    def close(self):
+        self._groups = []       # drop the views, so detaching the cache really unmaps it
+
     def _plan(self, gpu_ids):
         for gpu, cpu, num_blocks in self._groups:
             yield gpu, cpu, usable_ids(gpu_ids, num_blocks, self._full)
