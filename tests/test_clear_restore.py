@@ -230,3 +230,21 @@ def test_a_clear_that_broke_midway_can_be_retried_after_a_restart():
         assert cache_segments(backend.suffix) == []
         backend.restore_caches(timeout=30)
         round_trip(backend, workers, rng)
+
+
+def mapped_cache_segments(pid):
+    with open(f"/proc/{pid}/maps") as maps:
+        return [line.split()[-1] for line in maps if "cache_rank" in line]
+
+
+def test_transfer_managers_really_unmap_the_cache_on_clear():
+    """The memory is free only if no process maps it any more (an unlinked segment lives on in a mapping)."""
+    rng = np.random.default_rng(11)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        round_trip(backend, workers, rng)
+        assert all(mapped_cache_segments(pid) for pid in backend.transfer_pids)
+        backend.clear_caches(timeout=30)
+        assert [mapped_cache_segments(pid) for pid in backend.transfer_pids] == [[], []]
+        assert mapped_cache_segments(os.getpid()) == []         # the in-process workers let go too
+        backend.restore_caches(timeout=30)
+        assert all(mapped_cache_segments(pid) for pid in backend.transfer_pids)
