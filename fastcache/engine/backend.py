@@ -316,10 +316,13 @@ class SwapBackend:
             raise TransferError("; ".join(f"rank {r}: {why}" for r, why in sorted(self._failed.items())))
 
     def _mark_failed(self, rank: int, why: str, level=logging.ERROR):
-        """Take a rank out of service and fail everything it still owes."""
-        if rank not in self._failed:
+        """Take a rank out of service and fail everything it still owes (the I/O thread and a submitting
+        thread may both notice a death: it is logged once)."""
+        with self._handles_lock:
+            first = rank not in self._failed
+            self._failed[rank] = why
+        if first:
             log.log(level, "rank %d: %s", rank, why)
-        self._failed[rank] = why
         self._attached[rank] = False
         with self._handles_lock:
             handles = list(self._handles.values())
