@@ -375,3 +375,18 @@ def test_sigkill_of_the_engine_children_exit_on_their_own_and_cleanup_removes_on
         for w in live_workers:
             randomize(w, rng)
         round_trip(live, live_workers, rng)
+
+
+def test_a_dead_transfer_manager_is_logged_once_however_often_it_is_hit(caplog):
+    caplog.set_level("WARNING", logger="fastcache.engine")
+    with deployment(small_spec(), tp=2) as (backend, _):
+        victim = backend.transfer_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        for i in range(50):                         # submissions racing supervision, then refused
+            try:
+                backend.swap_out([i % 24], [i % 16]).result(timeout=10)
+            except TransferError:
+                pass
+            time.sleep(0.005)
+        lines = [r.getMessage() for r in caplog.records if r.name == "fastcache.engine"]
+        assert len([m for m in lines if f"pid {victim}" in m]) == 1, lines
