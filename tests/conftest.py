@@ -143,3 +143,12 @@ def round_trip(backend, workers, rng, n=5):
             np.testing.assert_array_equal(cpu_image(w, dst), want[r])
     finally:
         backend.free_cpu_blocks(cpu.tolist())
+
+
+def wait_for(predicate, timeout, what):
+    """Poll until predicate() holds; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout} s")
+        time.sleep(0.01)

@@ -27,7 +27,7 @@ from fastcache.ipc.shm import SHM_DIR
 from fastcache.launch import Checks, Verifier, random_swap_round, start_workers, stop_workers
 from fastcache.ipc.leftovers import find_stale
 
-from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec
+from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT = 0.2          # seconds between beats in these tests (workers and transfer managers)
@@ -63,14 +63,6 @@ class Stopped:
                 self.proc.kill()
         except psutil.Error:
             pass
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout} s")
-        time.sleep(0.02)
 
 
 # -- transfer manager killed -----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from fastcache.ipc import protocol
 from fastcache.ipc.protocol import ProtocolError
 from fastcache.ipc.queue import reply_endpoint
 
-from conftest import deployment, round_trip, small_spec
+from conftest import deployment, round_trip, small_spec, wait_for
 
 LIVE = settings(max_examples=50, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -182,14 +182,6 @@ def send_as_peer(backend, identity, frames):
         sock.close()
     finally:
         context.term()      # returns once the message has been handed over
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout} s")
-        time.sleep(0.01)
 
 
 # -- (a) decode ------------------------------------------------------------------------------------
@@ -423,20 +415,13 @@ def test_transfer_manager_survives_a_deeply_nested_task_message():
         assert backend.transfer_pids == [pid]
 
 
-@pytest.mark.parametrize("junk", [DEEP, HUGE_FLOAT], ids=["deep", "huge-float"])
-def test_engine_survives_a_reply_that_breaks_decode(junk):
+@pytest.mark.parametrize("identity,frames", [(b"rank00", [DEEP]), (b"rank00", [HUGE_FLOAT]),
+                                             ("rank\u00b2".encode(), [b"{}"])],
+                         ids=["deep", "huge-float", "non-ascii-digit-identity"])
+def test_engine_survives_a_peer_that_once_killed_its_reply_thread(identity, frames):
     rng = np.random.default_rng(27)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        send_as_peer(backend, b"rank00", [junk])
-        time.sleep(0.3)
-        assert backend._io_thread.is_alive()
-        round_trip(backend, workers, rng)
-
-
-def test_engine_survives_a_peer_with_a_non_ascii_digit_identity():
-    rng = np.random.default_rng(28)
-    with deployment(small_spec(), tp=1) as (backend, workers):
-        send_as_peer(backend, "rank\u00b2".encode(), [b"{}"])
+        send_as_peer(backend, identity, frames)
         time.sleep(0.3)
         assert backend._io_thread.is_alive()
         round_trip(backend, workers, rng)
