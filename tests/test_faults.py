@@ -21,6 +21,8 @@ import psutil
 import pytest
 
 from fastcache import SwapBackend, TransferError
+from fastcache.ipc.signal import NORMAL
+from fastcache.worker import CacheWorker
 from fastcache.ipc.heartbeat import process_alive
 from fastcache.ipc.naming import PREFIX
 from fastcache.ipc.shm import SHM_DIR
@@ -382,3 +384,52 @@ def test_a_dead_transfer_manager_is_logged_once_however_often_it_is_hit(caplog):
             time.sleep(0.005)
         lines = [r.getMessage() for r in caplog.records if r.name == "fastcache.engine"]
         assert len([m for m in lines if f"pid {victim}" in m]) == 1, lines
+
+
+# -- a device error while attaching ----------------------------------------------------------------
+def test_a_failed_attach_is_reported_by_name_and_the_process_survives(monkeypatch):
+    """A TransferError while attaching (a CUDA IPC open, NVRTC or pinning failing on a real GPU) fails the
+    attach: wait_ready raises naming the rank and the error at once, the manager stays up, and
+    restart_rank brings the rank back."""
+    monkeypatch.setenv("FASTCACHE_FAIL_ATTACH", "1:1")      # rank 1's first attach fails
+    rng = np.random.default_rng(21)
+    spec = small_spec()
+    with SwapBackend(spec, tp_size=2, device="sim") as backend:
+        workers = [CacheWorker(spec, rank=r, tp_size=2, device="sim", suffix=backend.suffix,
+                               framework="numpy").start() for r in range(2)]
+        try:
+            began = time.monotonic()
+            with pytest.raises(TransferError, match="rank 1.*could not attach.*injected attach fault") as err:
+                backend.wait_ready(timeout=20)
+            assert time.monotonic() - began < 5, "the failure must be reported, not timed out"
+            assert "rank 0" not in str(err.value)
+            pid = backend.transfer_pids[1]
+            time.sleep(0.3)
+            assert process_alive(pid), "a failed attach must not kill the transfer manager"
+            with pytest.raises(TransferError, match="rank 1"):
+                backend.swap_out([1], [1])
+            monkeypatch.delenv("FASTCACHE_FAIL_ATTACH")
+            backend.restart_rank(1)
+            backend.wait_ready(timeout=20)
+            round_trip(backend, workers, rng)
+        finally:
+            for w in workers:
+                w.close()
+
+
+def test_a_failed_attach_during_restore_breaks_the_restore_at_once_and_a_restart_recovers(monkeypatch):
+    monkeypatch.setenv("FASTCACHE_FAIL_ATTACH", "0:2")      # rank 0 attaches at start, fails at restore
+    monkeypatch.setenv("FASTCACHE_PHASE_TIMEOUT", "30")
+    rng = np.random.default_rng(22)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        round_trip(backend, workers, rng)
+        backend.clear_caches(timeout=30)
+        began = time.monotonic()
+        with pytest.raises(TransferError, match="restore failed.*transfer manager rank 0 reported a failure"):
+            backend.restore_caches(timeout=30)
+        assert time.monotonic() - began < 10, "an aborted barrier must not wait for the phase timeout"
+        monkeypatch.delenv("FASTCACHE_FAIL_ATTACH")
+        backend.restart_rank(0)
+        backend.restore_caches(timeout=30)
+        assert backend.status == NORMAL
+        round_trip(backend, workers, rng)

@@ -275,7 +275,8 @@ class SwapBackend:
         try:
             self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
-            raise TransferError(f"{phase} failed: {exc}") from None
+            failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._failed.items()))
+            raise TransferError(f"{phase} failed: {exc}{failed}") from None
         with self._phase_cond:
             ok = self._phase_cond.wait_for(lambda: len(self._phase_acks[phase]) == self.tp_size or self._failed,
                                            max(0.0, deadline - time.monotonic()))
@@ -436,6 +437,9 @@ class SwapBackend:
             self._finish(header["task_id"], rank, header["error"])
         elif kind in ("phase_done", "phase_failed"):
             if header["phase"] == "attach":
+                if kind == "phase_failed":      # a device error: out of service until restart_rank
+                    self._mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
+                                            f"{header.get('error')}")
                 self._attached[rank] = kind == "phase_done"
                 return
             with self._phase_cond:

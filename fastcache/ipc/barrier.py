@@ -23,6 +23,9 @@ class BrokenBarrierError(threading.BrokenBarrierError):
         self.missing = missing
 
 
+LATE, DIED, ABORTED = 0, 1, 2       # why a generation broke (the barrier's shared cause word)
+
+
 class RankBarrier:
     POLL = 0.002   # seconds between checks while waiting; only phase changes wait here
 
@@ -37,7 +40,7 @@ class RankBarrier:
         table = self._seg.array(np.int64, (2 * parties + 4,))
         self._arrived = table[:parties]            # generation each party has reached
         self._pids = table[parties:2 * parties]    # pid registered by each party (0 = none)
-        self._broken = table[2 * parties:2 * parties + 3]  # [highest broken generation, culprit mask, died?]
+        self._broken = table[2 * parties:2 * parties + 3]  # [highest broken generation, culprit mask, cause]
         self._epoch = table[2 * parties + 3:]              # counts resets: a new attempt at a phase
         if create:
             table[...] = 0
@@ -74,15 +77,23 @@ class RankBarrier:
             if dead or time.monotonic() > deadline:
                 # record who and why before the generation, so every waiter reports the same cause
                 self._broken[1] = sum(1 << p for p in (dead or missing))
-                self._broken[2] = 1 if dead else 0
+                self._broken[2] = DIED if dead else LATE
                 self._broken[0] = max(int(self._broken[0]), gen)
                 raise self._error(gen, timeout)
             time.sleep(self.POLL)
 
+    def abort(self, party: int):
+        """Break the generation `party` would arrive at next, naming it: a party that cannot take part
+        (its attach failed) says so at once instead of leaving the others to wait for the timeout."""
+        gen = int(self._arrived[party]) + 1
+        self._broken[1] = 1 << party
+        self._broken[2] = ABORTED
+        self._broken[0] = max(int(self._broken[0]), gen)
+
     def _error(self, gen, timeout) -> BrokenBarrierError:
-        mask, died = int(self._broken[1]), bool(self._broken[2])
+        mask, cause = int(self._broken[1]), int(self._broken[2])
         culprits = [p for p in range(self.parties) if mask >> p & 1]
-        why = "died" if died else f"did not arrive in time (timeout {timeout:.1f} s)"
+        why = {DIED: "died", ABORTED: "reported a failure"}.get(cause, f"did not arrive in time (timeout {timeout:.1f} s)")
         names = ", ".join(self.party_names[p] for p in culprits) or "another party"
         return BrokenBarrierError(f"{names} {why} (phase barrier generation {gen})", culprits)
 

@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 
 from ..config import CacheSpec, Settings
+from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
@@ -66,8 +67,10 @@ class TransferManager:
                         for kind in protocol.TASK_KINDS]
         self.heartbeat = Heartbeat(self.signals.transfer_heartbeat, rank, self.settings.heartbeat_interval,
                                    check=self._check_peers)
-        self.fail_every = _fault_injection(rank)
-        self.tasks_seen = 0
+        self.fail_every = _fault_injection("FASTCACHE_FAIL_EVERY", rank)
+        self.fail_attach = _fault_injection("FASTCACHE_FAIL_ATTACH", rank)
+        self.tasks_seen = self.attaches_tried = 0
+        self.attach_error = None        # set when an attach failed; cleared by the next restore
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -130,12 +133,32 @@ class TransferManager:
 
     # -- attach / detach -------------------------------------------------------------------------
     def _try_attach(self):
+        """Attach what became ready. A device failure (CUDA IPC open, NVRTC, pinning: TransferError) fails
+        the attach, reported to the engine by name, and the process stays up for a restart or a retry."""
+        if self.attach_error is not None:
+            return
+        try:
+            self._attach()
+        except TransferError as exc:
+            self._detach_cache()
+            self.attach_error = str(exc)[:protocol.MAX_ERROR_CHARS]
+            log.error("rank %d: attach failed: %s", self.rank, self.attach_error)
+            self._send("phase_failed", phase="attach", rank=self.rank, error=self.attach_error)
+            if self.phase == "restoring":      # break the restore barrier now instead of letting it time out
+                self.barrier.abort(transfer_party(self.rank))
+                self.phase = "running"
+
+    def _attach(self):
         if self.swap is None:
             try:
                 seg = SharedSegment.attach(swap_space_name(self.suffix, self.rank), self.suffix)
             except SegmentError:
                 return
-            self.swap = self.ops.attach_swap_space(seg, self.spec, self.device_id)
+            try:
+                self.swap = self.ops.attach_swap_space(seg, self.spec, self.device_id)
+            except BaseException:
+                seg.close()
+                raise
             self.signals.swap_space_ready[self.rank] = 1
         if self.cache is None and self.signals.cache_ready[self.rank] == 1:
             try:
@@ -143,17 +166,23 @@ class TransferManager:
             except (SegmentError, ValueError) as exc:
                 log.debug("rank %d: cache not attachable yet: %s", self.rank, exc)
                 return
+            self.attaches_tried += 1
+            if self.attaches_tried == self.fail_attach:
+                raise TransferError(f"injected attach fault (FASTCACHE_FAIL_ATTACH) on attach {self.attaches_tried}")
             self.copier = self.ops.copier(self.cache, self.swap, self.spec)
             log.info("rank %d: attached %d tensors", self.rank, len(self.infos))
             if self.phase == "running":
                 self._send("phase_done", phase="attach", rank=self.rank)
 
+    def _detach_cache(self):
+        copier, cache, self.copier, self.cache = self.copier, self.cache, None, None
+        if copier is not None:
+            copier.close()
+        if cache is not None:
+            cache.close()
+
     def _detach(self):
-        if self.copier is not None:
-            self.copier.close()
-        if self.cache is not None:
-            self.cache.close()
-        self.copier = self.cache = None
+        self._detach_cache()
         if self.release_swap and self.swap is not None:
             self.swap.close()
             self.swap = None
@@ -178,7 +207,7 @@ class TransferManager:
             elif kind == "clear":
                 self.phase, self.release_swap = "clearing", header["release_swap_space"]
             elif kind == "restore":
-                self.phase = "restoring"
+                self.phase, self.attach_error = "restoring", None     # a retried restore attaches afresh
             elif kind == "stop":
                 return "stop"
             else:
@@ -269,9 +298,10 @@ class TransferManager:
         self.barrier.close()
         self.signals.close()
 
-def _fault_injection(rank) -> int:
-    """FASTCACHE_FAIL_EVERY=RANK:N makes every Nth task of that rank fail (fault-injection tests)."""
-    raw = os.environ.get("FASTCACHE_FAIL_EVERY", "")
+def _fault_injection(variable, rank) -> int:
+    """Fault-injection tests: FASTCACHE_FAIL_EVERY=RANK:N fails every Nth task of that rank,
+    FASTCACHE_FAIL_ATTACH=RANK:N its Nth attach of the cache (1: at start, 2: at the first restore)."""
+    raw = os.environ.get(variable, "")
     if ":" not in raw:
         return 0
     target, every = raw.split(":", 1)
