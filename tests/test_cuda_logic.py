@@ -5,6 +5,7 @@ thing runs in the gpu-marked tests (tests/test_gpu.py) on a GPU machine.
 """
 import ctypes
 import itertools
+import mmap
 
 import numpy as np
 import pytest
@@ -30,8 +31,10 @@ class FakeRuntime:
     cudaMemcpyAttributes, cudaMemcpyFlags = runtime.cudaMemcpyAttributes, runtime.cudaMemcpyFlags
     cudaMemcpySrcAccessOrder = runtime.cudaMemcpySrcAccessOrder
 
+    cudaHostAllocMapped = 2
+
     def __init__(self):
-        self.buffers, self.copies = {}, []
+        self.buffers, self.copies, self.registered, self.calls = {}, [], [], []
 
     def cudaMalloc(self, n):
         buf = np.full(n, 0xEE, np.uint8)        # garbage, not zeros: an uncopied byte shows
@@ -42,8 +45,31 @@ class FakeRuntime:
         self.buffers.pop(ptr, None)
         return (OK,)
 
+    def cudaHostAlloc(self, n, flags):
+        return self.cudaMalloc(n)
+
+    def cudaFreeHost(self, ptr):
+        return self.cudaFree(ptr)
+
+    def cudaHostRegister(self, ptr, n, flags):
+        assert not any(a < ptr + n and ptr < a + m for a, m in self.registered), "registered twice"
+        self.registered.append((ptr, n))
+        return (OK,)
+
+    def cudaHostUnregister(self, ptr):
+        self.registered = [(a, m) for a, m in self.registered if a != ptr]
+        return (OK,)
+
+    def check_pinned(self, ptr, n):
+        """A copy touching the registered tier must lie inside one registration, or it is no DMA."""
+        touched = [(a, m) for a, m in self.registered if a < ptr + n and ptr < a + m]
+        assert len(touched) <= 1 and all(a <= ptr and ptr + n <= a + m for a, m in touched), \
+            f"host range [{ptr:#x}, +{n}) spans registrations {touched}"
+
     def cudaMemcpyAsync(self, dst, src, n, kind, stream):
         self.copies.append(n)
+        self.calls.append("memcpy")
+        self.check_pinned(dst if kind == self.cudaMemcpyKind.cudaMemcpyDeviceToHost else src, n)
         ctypes.memmove(dst, src, n)
         return (OK,)
 
@@ -73,8 +99,16 @@ class FakeRuntime:
     def _ok(self, *args):
         return (OK,)
 
-    cudaSetDevice = cudaStreamWaitEvent = cudaEventRecord = cudaStreamSynchronize = _ok
-    cudaEventDestroy = cudaStreamDestroy = cudaHostRegister = cudaHostUnregister = _ok
+    def _event(self, *args):
+        self.calls.append("event")
+        return (OK,)
+
+    def cudaStreamSynchronize(self, stream):
+        self.calls.append("sync")
+        return (OK,)
+
+    cudaSetDevice = cudaEventDestroy = cudaStreamDestroy = cudaDeviceSynchronize = _ok
+    cudaStreamWaitEvent = cudaEventRecord = _event
 
 
 def fake_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_ids, tier, tier_block_bytes,
@@ -83,6 +117,7 @@ def fake_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_
     def longs(ptr, n):
         return np.ctypeslib.as_array((ctypes.c_longlong * n).from_address(ptr)).copy()
 
+    FAKE.calls.append("launch")
     rows = longs(table, 4 * num_tensors).reshape(-1, 4)
     ids = longs(gpu_ids, num_ids)
     places = np.arange(num_ids) if slots == 0 else longs(slots, num_ids)
@@ -93,9 +128,13 @@ def fake_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_
                 ctypes.memmove(*((cpu, gpu) if to_tier else (gpu, cpu)), row_bytes)
 
 
+FAKE = None     # the fixture's runtime, for fake_launch's call log
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    fake = FakeRuntime()
+    global FAKE
+    fake = FAKE = FakeRuntime()
     for module in (cuda_ops, kernels):
         monkeypatch.setattr(module, "runtime", fake)
         monkeypatch.setattr(module, "set_device", lambda device_id: None)
@@ -146,10 +185,10 @@ def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layo
         copier.swap_out(gpu_ids, cpu_ids)
         assert np.array_equal(swap.rows, want)
         if method == "staged" and staging_mb == 32 and layout != "draft_layers":
-            # one upload of the ids, then one copy per run of consecutive CPU ids (whole blocks each)
+            # a small task: no upload of the ids, one copy per run of consecutive CPU ids (whole blocks)
             runs = 1 + np.count_nonzero(np.diff(cpu_ids) != 1)
-            assert len(fake_cuda.copies) == 1 + runs
-            assert sum(fake_cuda.copies[1:]) == len(cpu_ids) * spec.cpu_block_bytes
+            assert len(fake_cuda.copies) == runs
+            assert sum(fake_cuda.copies) == len(cpu_ids) * spec.cpu_block_bytes
 
         dst = rng.choice(40, len(cpu_ids), replace=False)
         before = [rows.copy() for rows in gpu]
@@ -198,9 +237,98 @@ def test_copier_refuses_ids_that_would_fault_the_kernel(fake_cuda):
         swap.close()
 
 
-def test_dma_runs_merge_consecutive_blocks_and_stop_at_partial_ones():
-    ids = np.array([4, 5, 6, 9, 10, 2])
-    full = np.full(6, 100)
-    assert list(cuda_ops.dma_runs(ids, full, 100)) == [(0, 4, 300), (3, 9, 200), (5, 2, 100)]
-    partial = np.array([100, 60, 100, 100, 100, 100])      # block 5 lacks draft-layer rows
-    assert list(cuda_ops.dma_runs(ids, partial, 100)) == [(0, 4, 160), (2, 6, 100), (3, 9, 200), (5, 2, 100)]
+def test_dma_runs_merge_consecutive_blocks_and_stop_at_partial_ones_and_chunk_edges():
+    ids = [4, 5, 6, 9, 10, 2]
+    full = [100] * 6
+    assert cuda_ops.dma_runs(ids, full, 100) == [[0, 4, 300], [3, 9, 200], [5, 2, 100]]
+    partial = [100, 60, 100, 100, 100, 100]      # block 5 lacks draft-layer rows
+    assert cuda_ops.dma_runs(ids, partial, 100) == [[0, 4, 160], [2, 6, 100], [3, 9, 200], [5, 2, 100]]
+    # pinned chunks of 5 blocks: block 5 and block 10 each start a chunk, so a run must stop before them
+    assert cuda_ops.dma_runs(ids, full, 100, chunk_blocks=5) == [[0, 4, 100], [1, 5, 200], [3, 9, 100],
+                                                                  [4, 10, 100], [5, 2, 100]]
+
+
+@pytest.mark.parametrize("method", cuda_ops.METHODS)
+def test_no_copy_spans_two_pinned_chunks(fake_cuda, monkeypatch, method):
+    """The tier starts on a page and is registered in chunks of whole pages and whole CPU blocks; a run of
+    consecutive CPU blocks across a chunk edge becomes two copies (one copy, one registration)."""
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=40)          # 768-byte CPU blocks
+    gpu = [np.random.default_rng(5).integers(1, 256, (i.num_blocks, i.block_bytes), dtype=np.uint8)
+           for i in spec.tensors()]
+    cache = cuda_ops.DeviceTensors(spec.tensors(), [rows.ctypes.data for rows in gpu], 0)
+    suffix = new_suffix()
+    segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
+    swap = cuda_ops.CudaSwapSpace(segment, spec, 0, chunk_bytes=8192)
+    copier = cuda_ops.make_copier(method, cache, swap, spec)
+    try:
+        swap.wait_pinned()
+        assert swap.host_ptr % mmap.PAGESIZE == 0
+        sizes = [n for _, n in fake_cuda.registered]
+        assert all(n % spec.cpu_block_bytes == 0 and n % mmap.PAGESIZE == 0 for n in sizes[:-1]), sizes
+        assert swap.chunk_blocks == 16 and len(sizes) == 3     # lcm(4096, 768) = 12288 bytes = 16 blocks
+        cpu_ids = np.arange(12, 36)                            # crosses the edges at blocks 16 and 32
+        gpu_ids = np.arange(0, 24)
+        copier.swap_out(gpu_ids, cpu_ids)                      # check_pinned asserts on every copy
+        want = np.concatenate([rows[gpu_ids] for rows in gpu], axis=1)
+        assert np.array_equal(swap.rows[cpu_ids], want)
+        copier.swap_in(gpu_ids + 16, cpu_ids)
+        assert np.array_equal(np.concatenate([rows[gpu_ids + 16] for rows in gpu], axis=1), want)
+    finally:
+        copier.close()
+        swap.close()
+
+
+def test_a_small_staged_task_takes_one_stream_and_no_events(fake_cuda):
+    """One-block tasks: the kernel reads the ids from the lane's pinned buffer (no upload), the copy
+    follows on the same stream, one synchronize; events and the second stream only for large tasks."""
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=30)
+    gpu = [np.random.default_rng(6).integers(1, 256, (i.num_blocks, i.block_bytes), dtype=np.uint8)
+           for i in spec.tensors()]
+    cache = cuda_ops.DeviceTensors(spec.tensors(), [rows.ctypes.data for rows in gpu], 0)
+    suffix = new_suffix()
+    segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
+    swap = cuda_ops.CudaSwapSpace(segment, spec, 0)
+    copier = cuda_ops.make_copier("staged", cache, swap, spec)
+    try:
+        swap.wait_pinned()
+        fake_cuda.calls.clear()
+        copier.swap_out(np.array([7], np.int32), np.array([3], np.int32))
+        assert fake_cuda.calls == ["launch", "memcpy", "sync"]
+        assert np.array_equal(swap.rows[3], np.concatenate([rows[7] for rows in gpu]))
+        fake_cuda.calls.clear()
+        copier.swap_in([9, 10], [3, 4])
+        assert fake_cuda.calls == ["memcpy", "launch", "sync"]          # CPU blocks 3, 4: one run
+        assert all(np.array_equal(rows[9], rows[7]) for rows in gpu)
+        fake_cuda.calls.clear()
+        many = np.arange(cuda_ops.SMALL_TASK_IDS + 1) % 30
+        copier.swap_out(np.arange(len(many)) % 40, many)                 # too many ids: the ring path
+        assert "event" in fake_cuda.calls
+    finally:
+        copier.close()
+        swap.close()
+
+
+def test_kernel_target_is_the_device_or_the_newest_older_ptx():
+    assert kernels.kernel_target(90, [80, 86, 90, 100]) == ("sm_90", True)
+    assert kernels.kernel_target(99, [80, 90, 100, 120]) == ("compute_90", False)    # never a newer PTX
+    with pytest.raises(kernels.TransferError, match="none at or below"):
+        kernels.kernel_target(70, [75, 80])
+
+
+def _nvrtc_usable() -> bool:
+    try:
+        return kernels.nvrtc.nvrtcVersion()[0] == kernels.nvrtc.nvrtcResult.NVRTC_SUCCESS
+    except Exception:          # cuda-pathfinder finds no libnvrtc
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_usable(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+def test_the_copy_kernel_compiles_and_a_compile_error_carries_nvrtc_log(monkeypatch):
+    """The real NVRTC, no GPU: a cubin for sm_90, PTX for an architecture NVRTC lacks, and the log."""
+    cubin = kernels.compile_kernel(9, 0)
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    ptx = kernels.compile_kernel(9, 9).decode(errors="replace")
+    assert ".target sm_90" in ptx and ".maxntid 512" in ptx and ".minnctapersm 4" in ptx
+    monkeypatch.setattr(kernels, "KERNEL_SOURCE", kernels.KERNEL_SOURCE + "\nthis is not C++;\n")
+    with pytest.raises(kernels.TransferError, match=r"(?s)NVRTC_ERROR_COMPILATION.*this is not C\+\+"):
+        kernels.compile_kernel(9, 0)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fastcache import TransferError
+from fastcache import SwapBackend, TransferError
 
 from conftest import all_tensors, deployment, randomize, small_spec
 
@@ -176,3 +176,27 @@ def test_swap_after_close_is_refused():
         pass
     with pytest.raises(TransferError, match="not running"):
         backend.swap_out([1], [1])
+
+
+def test_close_stops_the_transfer_managers_before_it_frees_the_workers_memory(monkeypatch):
+    """On CUDA a transfer manager maps the workers' tensors through IPC until it exits: close() must not
+    free them under it. Each in-process worker records which transfer managers still run when it frees."""
+    from fastcache.ipc.heartbeat import process_alive
+    from fastcache.worker.cache_worker import CacheWorker
+
+    seen = []
+    release = CacheWorker._release
+
+    def recording_release(worker):
+        seen.append([process_alive(pid) for pid in pids])
+        release(worker)
+
+    monkeypatch.setattr(CacheWorker, "_release", recording_release)
+    spec = small_spec()
+    with SwapBackend(spec, tp_size=2, device="sim") as backend:     # the workers are left to its close
+        for r in range(2):
+            CacheWorker(spec, rank=r, tp_size=2, device="sim", suffix=backend.suffix, framework="numpy").start()
+        backend.wait_ready(timeout=30)
+        pids = backend.transfer_pids
+        backend.swap_out([1], [1]).result(timeout=10)
+    assert seen == [[False, False], [False, False]], seen

@@ -464,10 +464,11 @@ class SwapBackend:
             self._closed = True
             return
         self._closed = True
-        close_local_workers(self.suffix)
         if getattr(self, "_io_thread", None) is not None:
             self._send_all(protocol.encode("stop"))
         self._stop_processes()
+        # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited
+        close_local_workers(self.suffix)
         if getattr(self, "_io_thread", None) is not None:
             self._io_stop.set()
             self._io_thread.join()

@@ -15,7 +15,7 @@ import psutil
 
 MAGIC = b"FCSEG001"
 HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start time, payload bytes, suffix
-HEADER_BYTES = 64                         # payload starts cache-line aligned
+HEADER_BYTES = mmap.PAGESIZE              # the payload starts on a page: the CUDA tier pins it by whole pages
 SHM_DIR = "/dev/shm"
 
 
@@ -108,7 +108,7 @@ class SharedSegment:
 
 
 def read_header(buf, name: str):
-    if len(buf) < HEADER_BYTES:
+    if len(buf) < HEADER.size:
         raise SegmentError(f"{name} is too small to be a fastcache segment")
     magic, pid, start, _size, suffix = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:

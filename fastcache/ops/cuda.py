@@ -14,8 +14,10 @@ attached over IPC and, in the exporting process, a worker's own tensors (tests, 
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import gc
+import math
 import mmap
 import threading
 import time
@@ -33,6 +35,7 @@ from .frameworks import NUMPY_STORAGE, check_framework
 METHODS = ("staged", "kernel", "batch", "memcpy")
 PIN_CHUNK_BYTES = 256 << 20      # cudaHostRegister granularity: ~0.1 s of pinning per chunk
 STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
+SMALL_TASK_IDS = 64              # staged tasks of at most this many blocks take the one-stream path
 IPC_HANDLE_BYTES = 64
 
 
@@ -142,11 +145,15 @@ class DeviceTensors(AttachedCache):
         if len(blocks) and (blocks.min() < 0 or blocks.max() >= info.num_blocks):
             raise ValueError(f"block ids of {info.name} must lie in [0, {info.num_blocks})")
         set_device(self.device_id)
-        for first, block, nbytes in dma_runs(blocks, np.full(len(blocks), info.block_bytes), info.block_bytes):
+        for first, block, nbytes in dma_runs(blocks.tolist(), [info.block_bytes] * len(blocks), info.block_bytes):
             dev = self.pointers[index] + block * info.block_bytes
             ptr = host.ctypes.data + first * info.block_bytes
             dst, src = (ptr, dev) if kind == runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost else (dev, ptr)
             cuda_check(runtime.cudaMemcpy(dst, src, nbytes, kind), f"cudaMemcpy({info.name})")
+        if kind == runtime.cudaMemcpyKind.cudaMemcpyHostToDevice:
+            # from pageable memory cudaMemcpy may return before the bytes land, and the copiers' non-blocking
+            # streams do not wait for it: the write must be done before any later swap reads the blocks
+            cuda_check(runtime.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
     def close(self):
         self.pointers = []
@@ -213,9 +220,16 @@ class CudaSwapSpace(SwapSpace):
         self.block_bytes, self.num_blocks = spec.cpu_block_bytes, spec.num_cpu_blocks
         self.host_ptr = self.rows.ctypes.data
         self.pin_seconds = None                  # wall time to pin the whole tier, once done
-        page = mmap.PAGESIZE                     # whole pages, so two chunks never share one
-        start = self.host_ptr - self.host_ptr % page
-        end = -(-(self.host_ptr + self.rows.nbytes) // page) * page
+        # Chunks hold whole pages (two registrations never share one) and whole CPU blocks (a row never
+        # straddles two); DMA runs are split at chunk edges (dma_runs), since one cudaMemcpy must lie in
+        # one registered range to run as DMA
+        page = mmap.PAGESIZE
+        if self.host_ptr % page:
+            raise TransferError("the CPU tier must start on a page boundary (SharedSegment payloads do)")
+        unit = math.lcm(page, self.block_bytes)
+        chunk_bytes = max(1, chunk_bytes // unit) * unit
+        self.chunk_blocks = chunk_bytes // self.block_bytes
+        start, end = self.host_ptr, -(-(self.host_ptr + self.rows.nbytes) // page) * page
         self._chunks = [(addr, min(chunk_bytes, end - addr)) for addr in range(start, end, chunk_bytes)]
         self._registered = []
         self._pinned_end = start                 # every byte below this address is registered
@@ -252,6 +266,8 @@ class CudaSwapSpace(SwapSpace):
     def wait_pinned(self, num_blocks: int | None = None):
         """Block until CPU blocks [0, num_blocks) (default: all) are registered."""
         end = self.host_ptr + (self.num_blocks if num_blocks is None else num_blocks) * self.block_bytes
+        if self._pinned_end >= end:          # the common case, without the lock
+            return
         with self._cond:
             while self._pinned_end < end and self._error is None and not self._closing:
                 self._cond.wait()
@@ -285,7 +301,8 @@ class CudaSwapSpace(SwapSpace):
 # -- copiers ---------------------------------------------------------------------------------------
 class _CudaCopier(Copier):
     """What every method shares: id checks, waiting for the pinned chunks a task touches, and one lane per
-    direction (swap_out and swap_in run on two threads; each sets the device for itself)."""
+    direction (swap_out and swap_in run on two threads; each sets the device for itself). Ids reach the
+    methods as Python lists: on a one-block task NumPy's per-call overhead is most of the host time."""
 
     def __init__(self, cache: DeviceTensors, swap: CudaSwapSpace, spec: CacheSpec):
         self.device_id = cache.device_id
@@ -307,24 +324,22 @@ class _CudaCopier(Copier):
         self._swap(gpu_ids, cpu_ids, to_host=False)
 
     def _swap(self, gpu_ids, cpu_ids, to_host):
-        gpu_ids = np.ascontiguousarray(gpu_ids, np.int64)
-        cpu_ids = np.ascontiguousarray(cpu_ids, np.int64)
-        if gpu_ids.shape != cpu_ids.shape or gpu_ids.ndim != 1:
-            raise ValueError(f"gpu ids {gpu_ids.shape} and cpu ids {cpu_ids.shape} must be equal-length vectors")
-        if not len(gpu_ids):
+        gpu, cpu = _id_list(gpu_ids), _id_list(cpu_ids)
+        if len(gpu) != len(cpu):
+            raise ValueError(f"{len(gpu)} gpu ids and {len(cpu)} cpu ids: they must pair up")
+        if not gpu:
             return
         # a stray id would make the kernel fault and poison the context: refuse it here
-        limits = ((gpu_ids, self.spec.num_gpu_blocks, "gpu"), (cpu_ids, self.spec.num_cpu_blocks, "cpu"))
-        for ids, limit, what in limits:
-            if ids.min() < 0 or ids.max() >= limit:
+        for ids, limit, what in ((gpu, self.spec.num_gpu_blocks, "gpu"), (cpu, self.spec.num_cpu_blocks, "cpu")):
+            if min(ids) < 0 or max(ids) >= limit:
                 raise ValueError(f"{what} block ids must lie in [0, {limit})")
-        self.swap.wait_pinned(int(cpu_ids.max()) + 1)
+        self.swap.wait_pinned(max(cpu) + 1)
         lane = self._lanes[to_host]
         with lane.lock:
             set_device(self.device_id)
-            self._run(lane, gpu_ids, cpu_ids, to_host)
+            self._run(lane, gpu, cpu, to_host)
 
-    def _run(self, lane: Lane, gpu_ids: np.ndarray, cpu_ids: np.ndarray, to_host: bool):
+    def _run(self, lane: Lane, gpu: list, cpu: list, to_host: bool):
         raise NotImplementedError
 
     def close(self):
@@ -335,72 +350,105 @@ class _CudaCopier(Copier):
             lane.close()
 
 
-def dma_runs(cpu_ids: np.ndarray, lengths: np.ndarray, block_bytes: int):
+def _id_list(ids) -> list:
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise ValueError(f"block ids must be a vector, got shape {ids.shape}")
+        return ids.tolist()
+    return [int(i) for i in ids]
+
+
+def dma_runs(cpu: list, lengths: list, block_bytes: int, chunk_blocks: int = 0):
     """(index of first block, first cpu id, bytes) per run of consecutive cpu ids. A block shorter than a
-    whole CPU block (a draft layer lacks its rows) ends its run, so the tier keeps the bytes after it."""
-    start = np.ones(len(cpu_ids), bool)
-    start[1:] = (cpu_ids[1:] != cpu_ids[:-1] + 1) | (lengths[:-1] != block_bytes)
-    first = np.flatnonzero(start)
-    last = np.append(first[1:], len(cpu_ids)) - 1
-    nbytes = (last - first) * block_bytes + lengths[last]
-    return zip(first.tolist(), cpu_ids[first].tolist(), nbytes.tolist())
+    whole CPU block (a draft layer lacks its rows) ends its run, so the tier keeps the bytes after it; so
+    does a pinned chunk's last block (chunk_blocks), so that no copy spans two registered ranges."""
+    runs, prev, prev_length = [], -2, 0
+    for k, (cpu_id, length) in enumerate(zip(cpu, lengths)):
+        if cpu_id == prev + 1 and prev_length == block_bytes and not (chunk_blocks and cpu_id % chunk_blocks == 0):
+            runs[-1][2] += length
+        else:
+            runs.append([k, cpu_id, length])
+        prev, prev_length = cpu_id, length
+    return runs
 
 
 class StagedCopier(_CudaCopier):
-    """Gather into device staging at HBM speed, then bulk DMA; chunks pipeline through a ring of buffers."""
+    """Gather into device staging at HBM speed, then bulk DMA; chunks pipeline through a ring of buffers.
+    A task that fits one chunk and the lane's pinned id buffer takes the small path: one stream, no events,
+    ids read by the kernel from pinned host memory, no upload."""
 
     def __init__(self, cache, swap, spec, staging_bytes: int):
-        sizes = np.array([i.block_bytes for i in cache.infos])
-        self._row_ends = np.cumsum(sizes)
-        self._row_blocks = np.array([i.num_blocks for i in cache.infos])
-        offsets = np.array([i.cpu_offset for i in cache.infos])
+        sizes = [i.block_bytes for i in cache.infos]
+        row_ends = np.cumsum(sizes).tolist()
+        row_blocks = [i.num_blocks for i in cache.infos]
+        offsets = [i.cpu_offset for i in cache.infos]
         # a partial block is a prefix of its CPU block: tensors side by side, those with fewer blocks last
-        if not (np.array_equal(offsets, self._row_ends - sizes) and np.all(np.diff(self._row_blocks) <= 0)):
+        if offsets != [end - size for end, size in zip(row_ends, sizes)] or \
+                any(b > a for a, b in zip(row_blocks, row_blocks[1:])):
             raise ValueError("staged copies need tensors laid out in order, those with fewer blocks last")
+        self._row_ends = row_ends
+        self._neg_blocks = [-b for b in row_blocks]          # ascending, for bisect
+        self._full_blocks = row_blocks[-1]                   # ids below this have every tensor's row
         self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_bytes)
         super().__init__(cache, swap, spec)
         self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
         self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
+        self._small_ids = min(self.chunk_blocks, SMALL_TASK_IDS)
 
     def _new_lane(self):
-        return Lane(STAGING_RING, self.chunk_blocks * self.block_bytes)
+        return Lane(STAGING_RING, self.chunk_blocks * self.block_bytes, host_ids=SMALL_TASK_IDS)
 
-    def _lengths(self, gpu_ids):
+    def _lengths(self, gpu: list) -> list:
         """Bytes of each task block present on the device: a prefix of the CPU block."""
-        present = (gpu_ids[:, None] < self._row_blocks[None, :]).sum(axis=1)
-        return self._row_ends[present - 1]
+        full, ends, neg = self.block_bytes, self._row_ends, self._neg_blocks
+        return [full if g < self._full_blocks else ends[bisect.bisect_left(neg, -g) - 1] for g in gpu]
 
-    def _run(self, lane, gpu_ids, cpu_ids, to_host):
-        (ids,) = lane.upload_ids(gpu_ids)
-        lengths = self._lengths(gpu_ids) if to_host else np.full(len(gpu_ids), self.block_bytes)
-        for k, lo in enumerate(range(0, len(gpu_ids), self.chunk_blocks)):
-            hi = min(lo + self.chunk_blocks, len(gpu_ids))
-            chunk = (k % STAGING_RING, k >= STAGING_RING, ids + 8 * lo, cpu_ids[lo:hi], lengths[lo:hi])
+    def _run(self, lane, gpu, cpu, to_host):
+        lengths = self._lengths(gpu) if to_host else [self.block_bytes] * len(gpu)
+        if len(gpu) <= self._small_ids:
+            return self._run_small(lane, gpu, cpu, lengths, to_host)
+        (ids,) = lane.upload_ids(gpu)
+        for k, lo in enumerate(range(0, len(gpu), self.chunk_blocks)):
+            hi = min(lo + self.chunk_blocks, len(gpu))
+            chunk = (k % STAGING_RING, k >= STAGING_RING, ids + 8 * lo, cpu[lo:hi], lengths[lo:hi])
             (self._gather if to_host else self._scatter)(lane, *chunk)
         lane.sync()
 
-    def _gather(self, lane, slot, reused, ids, cpu_ids, lengths):
+    def _run_small(self, lane, gpu, cpu, lengths, to_host):
+        stage, stream = lane.slots[0].ptr, lane.stream
+        ids = lane.put_host_ids(gpu)        # the lane's last task has finished (sync): the buffer is free
+        runs = dma_runs(cpu, lengths, self.block_bytes, self.swap.chunk_blocks)
+        if to_host:
+            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.block_bytes, True)
+        for first, cpu_id, nbytes in runs:
+            host, dev = self.swap.host_ptr + cpu_id * self.block_bytes, stage + first * self.block_bytes
+            memcpy_async(*((host, dev) if to_host else (dev, host)), nbytes, to_host, stream)
+        if not to_host:
+            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.block_bytes, False)
+        lane.sync_stream()
+
+    def _gather(self, lane, slot, reused, ids, cpu, lengths):
         stage = lane.slots[slot].ptr
         if reused:      # its previous chunk must have left for the host
             cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
-        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu_ids), stage, self.block_bytes, True)
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.block_bytes, True)
         cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.stream), "cudaEventRecord")
         cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
-        for first, cpu_id, nbytes in dma_runs(cpu_ids, lengths, self.block_bytes):
+        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.block_bytes, self.swap.chunk_blocks):
             memcpy_async(self.swap.host_ptr + cpu_id * self.block_bytes, stage + first * self.block_bytes, nbytes,
                          True, lane.dma_stream)
         cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.dma_stream), "cudaEventRecord")
 
-    def _scatter(self, lane, slot, reused, ids, cpu_ids, lengths):
+    def _scatter(self, lane, slot, reused, ids, cpu, lengths):
         stage = lane.slots[slot].ptr
         if reused:      # its previous chunk must have been scattered
             cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
-        for first, cpu_id, nbytes in dma_runs(cpu_ids, lengths, self.block_bytes):
+        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.block_bytes, self.swap.chunk_blocks):
             memcpy_async(stage + first * self.block_bytes, self.swap.host_ptr + cpu_id * self.block_bytes, nbytes,
                          False, lane.dma_stream)
         cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.dma_stream), "cudaEventRecord")
         cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
-        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu_ids), stage, self.block_bytes, False)
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.block_bytes, False)
         cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.stream), "cudaEventRecord")
 
     def close(self):
@@ -429,6 +477,7 @@ class KernelCopier(_CudaCopier):
 
 def row_copies(infos, pointers, host_ptr, block_bytes, gpu_ids, cpu_ids, to_host):
     """(dst, src, size) of every (tensor, block) row, tensor by tensor, rows adjacent on both sides merged."""
+    gpu_ids, cpu_ids = np.asarray(gpu_ids, np.int64), np.asarray(cpu_ids, np.int64)
     gpu, cpu, size = [], [], []
     for info, ptr in zip(infos, pointers):
         keep = gpu_ids < info.num_blocks

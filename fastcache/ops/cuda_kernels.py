@@ -49,7 +49,8 @@ __device__ __forceinline__ void copy_row(char* dst, const char* src, i64 n) {
 
 // table: per tensor {device address of row 0, row bytes, offset inside a tier block, number of rows}.
 // Row b of the task moves between gpu block gpu_ids[b] and tier block slots[b] (b itself if slots is null).
-extern "C" __global__ void copy_rows(const i64* __restrict__ table, int num_tensors,
+// 512 threads, 4 blocks an SM: without the bound NVRTC gives it 40 registers, too many for 4 resident blocks
+extern "C" __global__ void __launch_bounds__(512, 4) copy_rows(const i64* __restrict__ table, int num_tensors,
                                      const i64* __restrict__ gpu_ids, const i64* __restrict__ slots,
                                      int num_ids, char* tier, i64 tier_block_bytes, int to_tier) {
   const i64 work = (i64)num_ids * num_tensors;
@@ -114,6 +115,24 @@ class DeviceBuffer:
             self.ptr = 0
 
 
+class HostBuffer:
+    """cudaHostAlloc'd bytes, pinned and mapped (the device reads them in place at device_ptr)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = self.device_ptr = 0
+        if nbytes:
+            self.ptr = int(cuda_check(runtime.cudaHostAlloc(nbytes, runtime.cudaHostAllocMapped),
+                                      f"cudaHostAlloc({nbytes})"))
+            self.device_ptr = int(cuda_check(runtime.cudaHostGetDevicePointer(self.ptr, 0),
+                                             "cudaHostGetDevicePointer"))
+
+    def close(self):
+        if self.ptr:
+            cuda_check(runtime.cudaFreeHost(self.ptr), "cudaFreeHost")
+            self.ptr = self.device_ptr = 0
+
+
 def create_stream():
     return cuda_check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking),
                       "cudaStreamCreateWithFlags")
@@ -136,7 +155,7 @@ def device_attribute(device_id: int, name: str) -> int:
 class Lane:
     """One direction's CUDA resources: swap-out and swap-in never share a stream, a buffer or an event."""
 
-    def __init__(self, ring: int = 0, slot_bytes: int = 0):
+    def __init__(self, ring: int = 0, slot_bytes: int = 0, host_ids: int = 0):
         self.lock = threading.Lock()
         self.stream = create_stream()                          # kernels, or every copy of a plain lane
         self.dma_stream = create_stream() if ring else None    # staged: bulk copies beside the kernels
@@ -144,6 +163,14 @@ class Lane:
         self.filled = [create_event() for _ in range(ring)]    # slot written (by gather or H2D)
         self.drained = [create_event() for _ in range(ring)]   # slot consumed (by D2H or scatter)
         self._ids = DeviceBuffer(0)
+        self._host_ids = HostBuffer(8 * host_ids)              # small tasks: ids the kernel reads in place
+        self._host_id_slots = (ctypes.c_longlong * host_ids).from_address(self._host_ids.ptr) if host_ids else None
+
+    def put_host_ids(self, ids: list) -> int:
+        """Device address of `ids` written into the lane's pinned, mapped buffer. Only while no launch of
+        this lane may still read it (the lane syncs at the end of every task, under its lock)."""
+        self._host_id_slots[:len(ids)] = ids
+        return self._host_ids.device_ptr
 
     def upload_ids(self, *arrays) -> list[int]:
         """Device addresses of int64 copies of `arrays`, uploaded in stream order on self.stream."""
@@ -161,9 +188,13 @@ class Lane:
             if stream is not None:
                 cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
+    def sync_stream(self):
+        cuda_check(runtime.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
     def close(self):
         self.sync()
-        for buf in [*self.slots, self._ids]:
+        self._host_id_slots = None
+        for buf in [*self.slots, self._ids, self._host_ids]:
             buf.close()
         for event in [*self.filled, *self.drained]:
             cuda_check(runtime.cudaEventDestroy(event), "cudaEventDestroy")
@@ -182,20 +213,29 @@ def _nvrtc_check(result, call_name, prog=None):
     if int(err) != 0:
         log = ""
         if prog is not None:
-            size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-            buf = b" " * size
+            buf = bytearray(nvrtc.nvrtcGetProgramLogSize(prog)[1])      # written in place: never a bytes
             nvrtc.nvrtcGetProgramLog(prog, buf)
             log = "\n" + buf.decode(errors="replace").rstrip("\0 ")
         raise TransferError(f"{call_name} failed: {_error_text(err)}{log}")
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def kernel_target(arch: int, supported) -> tuple[str, bool]:
+    """(NVRTC target, is a cubin): the device's own architecture, else PTX for the newest one NVRTC knows
+    that is not above it (the driver can JIT PTX forward, never backward)."""
+    if arch in supported:
+        return f"sm_{arch}", True
+    older = [a for a in supported if a <= arch]
+    if not older:
+        raise TransferError(f"NVRTC supports architectures {sorted(supported)}, none at or below the device's "
+                            f"sm_{arch}")
+    return f"compute_{max(older)}", False
+
+
 def compile_kernel(major: int, minor: int) -> bytes:
-    """A cubin for sm_{major}{minor}, or PTX for the newest architecture NVRTC knows if it lacks this one."""
-    arch = major * 10 + minor
+    """A cubin for sm_{major}{minor}, or PTX (kernel_target) if NVRTC lacks this architecture."""
     supported = _nvrtc_check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
-    as_cubin = arch in supported
-    target = f"sm_{arch}" if as_cubin else f"compute_{max(supported)}"
+    target, as_cubin = kernel_target(major * 10 + minor, list(supported))
     prog = _nvrtc_check(nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"fastcache_rows.cu", 0, [], []),
                         "nvrtcCreateProgram")
     try:
@@ -203,9 +243,9 @@ def compile_kernel(major: int, minor: int) -> bytes:
         _nvrtc_check(nvrtc.nvrtcCompileProgram(prog, len(options), options), "nvrtcCompileProgram", prog)
         get_size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if as_cubin
                          else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
-        image = b" " * _nvrtc_check(get_size(prog), get_size.__name__)
+        image = bytearray(_nvrtc_check(get_size(prog), get_size.__name__))
         _nvrtc_check(get(prog, image), get.__name__)
-        return image
+        return bytes(image)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -269,6 +309,9 @@ class RowKernel:
         self.table = DeviceBuffer(table.nbytes)
         cuda_check(runtime.cudaMemcpy(self.table.ptr, table.ctypes.data, table.nbytes,
                                       runtime.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy(tensor table)")
+        # from pageable memory cudaMemcpy may return before the bytes land, and the copiers' streams do not
+        # wait for the legacy stream: the table must be on the device before the first launch reads it
+        cuda_check(runtime.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
     def launch(self, stream, grid, gpu_ids, slots, num_ids, tier, tier_block_bytes, to_tier):
         grid = max(1, min(grid, num_ids * self.num_tensors))
