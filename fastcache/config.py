@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -153,22 +154,73 @@ def _check_int(name, value, minimum):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _env_float(name, default, positive=False):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
+COPY_METHODS = ("staged", "kernel", "batch", "memcpy")    # implemented by fastcache/ops/cuda.py
+MIN_HEARTBEAT_INTERVAL = 0.01     # seconds; below it the beat thread (which also checks its peers) spins
+_BOOLS = {"0": False, "false": False, "no": False, "off": False,
+          "1": True, "true": True, "yes": True, "on": True}
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_SECONDS = (lambda v: _number(v) and v > 0, "must be a positive number of seconds")
+_FAULT = (lambda v: v is None or (isinstance(v, tuple) and len(v) == 2 and all(_whole(x) for x in v)
+                                  and v[0] >= 0 and v[1] >= 1),
+          "must be RANK:N with N >= 1 (fault injection, for tests)")
+# Settings field -> (valid?, what is allowed); the second is the message when a value is refused
+RULES = {
+    "heartbeat_interval": (lambda v: _number(v) and v >= MIN_HEARTBEAT_INTERVAL,
+                           f"must be a number of seconds >= {MIN_HEARTBEAT_INTERVAL}, below the worker and "
+                           "transfer timeouts"),
+    "worker_timeout": _SECONDS,
+    "transfer_timeout": _SECONDS,
+    "phase_timeout": _SECONDS,
+    "clear_swap_space": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
+    "copy_method": (lambda v: v in COPY_METHODS, f"must be one of {', '.join(COPY_METHODS)}"),
+    "inline_bytes": (lambda v: _whole(v) and v >= 0, "must be a whole number of bytes >= 0"),
+    "staging_mb": (lambda v: _number(v) and v > 0, "must be a positive number of MiB"),
+    "kernel_blocks": (lambda v: _whole(v) and v >= 1, "must be a whole number >= 1"),
+    "fail_every": _FAULT,
+    "fail_attach": _FAULT,
+}
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a Settings field: heartbeat_interval -> FASTCACHE_HEARTBEAT_INTERVAL."""
+    return "FASTCACHE_" + field.upper()
+
+
+def _refuse(field, value, allowed=None):
+    shown = f"{value:g}" if isinstance(value, float) else value
+    return ValueError(f"{env_name(field)}={shown}: {allowed or RULES[field][1]}")
+
+
+def _parse(field, default, raw):
+    """One FASTCACHE_* string as the type of its field's default; Settings checks the range."""
     try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
-    return value
+        if isinstance(default, bool):
+            return _BOOLS[raw.lower()]
+        if isinstance(default, (int, float)):
+            return type(default)(raw)
+        if field.startswith("fail_"):
+            rank, n = raw.split(":")
+            return int(rank), int(n)
+        return raw
+    except (KeyError, ValueError):
+        raise _refuse(field, raw) from None
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Process settings, read from FASTCACHE_* environment variables (inherited by child processes)."""
+    """Process settings, read from FASTCACHE_* environment variables (inherited by child processes).
+
+    Every value is checked on construction, so a bad one is refused at start with its variable named,
+    instead of misbehaving later (a timeout that kills healthy peers, a spinning beat thread)."""
     heartbeat_interval: float = 1.0     # FASTCACHE_HEARTBEAT_INTERVAL: seconds between beats
     worker_timeout: float = 10.0        # FASTCACHE_WORKER_TIMEOUT: silent worker => its transfer manager exits
     transfer_timeout: float = 10.0      # FASTCACHE_TRANSFER_TIMEOUT: silent transfer manager => rank failed
@@ -178,18 +230,32 @@ class Settings:
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
     staging_mb: float = 32.0            # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer
     kernel_blocks: int = 8              # FASTCACHE_KERNEL_BLOCKS (cuda kernel): thread blocks of the copy kernel
+    fail_every: tuple | None = None     # FASTCACHE_FAIL_EVERY=RANK:N (tests): every Nth task of RANK fails
+    fail_attach: tuple | None = None    # FASTCACHE_FAIL_ATTACH=RANK:N (tests): the Nth attach of RANK fails
+
+    def __post_init__(self):
+        for field, (valid, _) in RULES.items():
+            if not valid(getattr(self, field)):
+                raise _refuse(field, getattr(self, field))
+        for timeout in ("worker_timeout", "transfer_timeout"):
+            # a peer is declared dead after `timeout` without a beat: beats must come more often than that
+            if self.heartbeat_interval >= getattr(self, timeout):
+                raise _refuse("heartbeat_interval", self.heartbeat_interval,
+                              f"must be below {env_name(timeout)}={getattr(self, timeout):g}")
+
+    def injected_fault(self, field: str, rank: int) -> int:
+        """N of fail_every / fail_attach when it targets `rank`, else 0."""
+        target = getattr(self, field)
+        return target[1] if target is not None and target[0] == rank else 0
 
     @classmethod
-    def from_env(cls) -> "Settings":
-        env = os.environ
-        return cls(
-            heartbeat_interval=_env_float("FASTCACHE_HEARTBEAT_INTERVAL", cls.heartbeat_interval),
-            worker_timeout=_env_float("FASTCACHE_WORKER_TIMEOUT", cls.worker_timeout),
-            transfer_timeout=_env_float("FASTCACHE_TRANSFER_TIMEOUT", cls.transfer_timeout),
-            phase_timeout=_env_float("FASTCACHE_PHASE_TIMEOUT", cls.phase_timeout),
-            clear_swap_space=env.get("FASTCACHE_CLEAR_SWAP_SPACE", "0") not in ("", "0", "false", "False"),
-            copy_method=env.get("FASTCACHE_COPY_METHOD", cls.copy_method),
-            inline_bytes=int(_env_float("FASTCACHE_INLINE_BYTES", cls.inline_bytes)),
-            staging_mb=_env_float("FASTCACHE_STAGING_MB", cls.staging_mb, positive=True),
-            kernel_blocks=int(_env_float("FASTCACHE_KERNEL_BLOCKS", cls.kernel_blocks, positive=True)),
-        )
+    def from_env(cls, env=None) -> "Settings":
+        """Settings from FASTCACHE_* variables (unset or empty: the default). Raises ValueError naming the
+        variable, its value and what is allowed."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(env_name(f.name), "").strip()
+            if raw:
+                values[f.name] = _parse(f.name, f.default, raw)
+        return cls(**values)

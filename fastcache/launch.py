@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .config import CACHE_DTYPES, CacheSpec
+from .config import CACHE_DTYPES, CacheSpec, Settings
 from .engine import SwapBackend
 from .ipc.naming import PREFIX
 from .ipc.shm import SHM_DIR
@@ -340,6 +340,11 @@ def print_report(report, checks):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()      # a bad FASTCACHE_* value: refused before anything starts
+    except ValueError as exc:
+        print(f"fastcache.launch: {exc}", file=sys.stderr)
+        return 2
     device = resolve_device(args.device)
     framework = args.framework or ("numpy" if device == "sim" else "torch")
     if framework not in DEVICE_FRAMEWORKS[device]:
@@ -361,7 +366,7 @@ def main(argv=None) -> int:
     print(f"fastcache: starting tp={args.tp} on {device} ({framework} workers)", flush=True)
     workers = []
     try:
-        backend = SwapBackend(spec, tp_size=args.tp, device=device)
+        backend = SwapBackend(spec, tp_size=args.tp, device=device, settings=settings)
     except ValueError as exc:
         print(f"fastcache.launch: {exc}", file=sys.stderr)
         return 2

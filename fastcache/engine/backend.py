@@ -46,6 +46,9 @@ class SwapBackend:
 
     def __init__(self, spec: CacheSpec, tp_size: int = 1, device: str = "auto", suffix: str | None = None,
                  settings: Settings | None = None, device_ids=None):
+        # Checked first, so that a bad FASTCACHE_* value is refused before anything is created. The
+        # environment is checked even when `settings` is given: the transfer managers spawned read it.
+        env_settings = Settings.from_env()
         if not isinstance(spec, CacheSpec):
             raise ValueError(f"spec must be a CacheSpec, got {type(spec).__name__}")
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
@@ -53,7 +56,7 @@ class SwapBackend:
         self.spec, self.tp_size = spec, tp_size
         self.device = resolve_device(device)
         self.suffix = suffix or new_suffix()
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or env_settings
         self.device_ids = list(device_ids) if device_ids is not None else list(range(tp_size))
         if len(self.device_ids) != tp_size:
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")

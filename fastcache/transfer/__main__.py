@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from ..config import CacheSpec
+from ..config import CacheSpec, Settings
 from .manager import TransferManager
 
 
@@ -60,11 +60,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [transfer rank{args.rank}] %(levelname)s %(message)s")
     try:
         spec = spec_from_args(args)
+        settings = Settings.from_env()
     except ValueError as exc:
         print(f"fastcache.transfer: {exc}", file=sys.stderr)
         return 2
     manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.engine_pid,
-                              device=args.device, device_id=args.device_id)
+                              device=args.device, device_id=args.device_id, settings=settings)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return manager.run()

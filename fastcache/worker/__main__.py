@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from ..config import CacheSpec
+from ..config import CacheSpec, Settings
 from ..ipc.heartbeat import process_alive
 from .cache_worker import CacheWorker
 
@@ -26,10 +26,15 @@ def main(argv=None) -> int:
     p.add_argument("--device-id", type=int, default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [worker rank{args.rank}] %(levelname)s %(message)s")
+    try:
+        spec, settings = CacheSpec.from_json(args.spec), Settings.from_env()
+    except ValueError as exc:
+        print(f"fastcache.worker: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    worker = CacheWorker(CacheSpec.from_json(args.spec), rank=args.rank, tp_size=args.tp, device=args.device,
-                         suffix=args.suffix, framework=args.framework, device_id=args.device_id)
+    worker = CacheWorker(spec, rank=args.rank, tp_size=args.tp, device=args.device, suffix=args.suffix,
+                         framework=args.framework, device_id=args.device_id, settings=settings)
     worker.start()
     try:
         while not stop.wait(0.5):
