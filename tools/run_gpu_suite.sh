@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   tools/run_gpu_suite.sh [tests] [probe] [bench]      (default: all three, in that order)
-#   tests  python -m pytest -m gpu (tests/test_gpu.py and any other gpu-marked test)
-#   probe  the CUDA C++ ceiling probe tools/swapbench.cu (a copy of shared/reference/swapbench.cu), if nvcc exists
-#   bench  python -m fastcache.tools.bench, its JSON in $OUT/bench.json
-# Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq, on the
+#   tools/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch]     (default: all, in that order)
+#   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
+#   tests   python -m pytest -m gpu (tests/test_gpu*.py)
+#   probe   the CUDA C++ ceiling probe tools/swapbench.cu (a copy of shared/reference/swapbench.cu)
+#   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
+#   launch  python -m fastcache.launch on the cuda device
+# Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
+# per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch`).
+# Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
 # device image) travel as wheels in .whl/ (git-ignored) and are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,23 +16,42 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD"
+# CUDA IPC exports cudaMalloc memory only: torch's expandable segments cannot be shared
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+        || { echo "run_gpu_suite: installing .whl/*.whl failed" >&2; exit 1; }
     export PYTHONPATH="/tmp/site:$PWD"
 fi
-steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench)
-status=0
+if ! python3 -c 'import zmq, posix_ipc, psutil, numpy, cuda.bindings.runtime' 2>"$OUT/import.log"; then
+    echo "run_gpu_suite: a required package cannot be imported (carry its wheel in .whl/):" >&2
+    cat "$OUT/import.log" >&2
+    exit 1
+fi
 
-{
-    nvidia-smi
-    python3 -c 'import sys, cuda.bindings; print("python", sys.version, "cuda-bindings", cuda.bindings.__version__)'
-    df -h /dev/shm
-} >"$OUT/env.log" 2>&1
+log_env() {
+    {
+        date -u
+        nvidia-smi
+        nvcc --version 2>/dev/null | tail -1
+        python3 - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("numpy", "zmq", "posix_ipc", "psutil", "cuda.bindings", "torch", "cupy"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"))
+    except ImportError as exc:
+        print(name, "missing:", exc)
+EOF
+        env | grep -E '^(FASTCACHE_|PYTORCH_CUDA_ALLOC_CONF|CUDA_)' | sort
+        df -h /dev/shm
+    } >"$OUT/env.log" 2>&1
+    cat "$OUT/env.log"
+}
 
 run_tests() {
-    python3 -m pytest -m gpu -q 2>&1 | tee "$OUT/pytest.log"
+    timeout 540 python3 -m pytest -m gpu -q -o timeout=180 2>&1 | tee "$OUT/pytest.log"
 }
 
 run_probe() {
@@ -44,19 +67,29 @@ run_probe() {
     elif [ "$major" -eq 12 ] && [ "$minor" -ge 8 ]; then batch=-DUSE_BATCH=12
     fi
     nvcc -O2 -arch=sm_90 $batch -o /tmp/swapbench tools/swapbench.cu 2>&1 | tee "$OUT/swapbench.log" &&
-        /tmp/swapbench 2>&1 | tee -a "$OUT/swapbench.log"
+        timeout 180 /tmp/swapbench 2>&1 | tee -a "$OUT/swapbench.log"
 }
 
 run_bench() {
-    python3 -m fastcache.tools.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    timeout 480 python3 -m fastcache.tools.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 }
 
+run_launch() {
+    timeout 240 python3 -m fastcache.launch --device cuda 2>&1 | tee "$OUT/launch.log"
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch)
+status=0
+log_env
 for step in "${steps[@]}"; do
     case "$step" in
+        env) ;;
         tests) run_tests || status=1 ;;
         probe) run_probe || status=1 ;;
         bench) run_bench || status=1 ;;
-        *) echo "unknown step $step (expected tests, probe, bench)" >&2; status=2 ;;
+        launch) run_launch || status=1 ;;
+        *) echo "unknown step $step (expected env, tests, probe, bench, launch)" >&2; status=2 ;;
     esac
 done
 exit $status

@@ -25,14 +25,13 @@ import time
 import numpy as np
 from cuda.bindings import driver, runtime
 
-from ..config import CacheSpec, Settings, TensorInfo
+from ..config import COPY_METHODS as METHODS, CacheSpec, Settings, TensorInfo
 from ..errors import TransferError
 from ..ipc.shm import SharedSegment
 from .base import AttachedCache, Copier, DeviceOps, LocalCache, SwapSpace
 from .cuda_kernels import Lane, RowKernel, cuda_check, device_attribute, memcpy_async, set_device
 from .frameworks import NUMPY_STORAGE, check_framework
 
-METHODS = ("staged", "kernel", "batch", "memcpy")
 PIN_CHUNK_BYTES = 256 << 20      # cudaHostRegister granularity: ~0.1 s of pinning per chunk
 STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
 SMALL_TASK_IDS = 64              # staged tasks of at most this many blocks take the one-stream path

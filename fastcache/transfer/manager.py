@@ -67,8 +67,8 @@ class TransferManager:
                         for kind in protocol.TASK_KINDS]
         self.heartbeat = Heartbeat(self.signals.transfer_heartbeat, rank, self.settings.heartbeat_interval,
                                    check=self._check_peers)
-        self.fail_every = _fault_injection("FASTCACHE_FAIL_EVERY", rank)
-        self.fail_attach = _fault_injection("FASTCACHE_FAIL_ATTACH", rank)
+        self.fail_every = self.settings.injected_fault("fail_every", rank)      # fault-injection tests
+        self.fail_attach = self.settings.injected_fault("fail_attach", rank)
         self.tasks_seen = self.attaches_tried = 0
         self.attach_error = None        # set when an attach failed; cleared by the next restore
 
@@ -297,12 +297,3 @@ class TransferManager:
         self.context.term()
         self.barrier.close()
         self.signals.close()
-
-def _fault_injection(variable, rank) -> int:
-    """Fault-injection tests: FASTCACHE_FAIL_EVERY=RANK:N fails every Nth task of that rank,
-    FASTCACHE_FAIL_ATTACH=RANK:N its Nth attach of the cache (1: at start, 2: at the first restore)."""
-    raw = os.environ.get(variable, "")
-    if ":" not in raw:
-        return 0
-    target, every = raw.split(":", 1)
-    return int(every) if target.isdigit() and int(target) == rank and every.isdigit() else 0
