@@ -86,7 +86,9 @@ class SimCopier(Copier):
 
     Tensors that sit evenly spaced in one arena and side by side in the CPU block (every layer's K and V,
     typically) are viewed as one [tensors, blocks, bytes] array, so a task costs a few NumPy calls, not
-    one per tensor.
+    one per tensor. Large rows move run by run straight from source to destination: a fancy-indexed
+    gather of the whole task would build a task-sized temporary first (a second pass over every byte,
+    plus page faults on fresh memory), which held random-id swaps to 0.2x of a memcpy.
     """
 
     def __init__(self, cache: "SimAttachedCache", swap: SwapSpace, spec: CacheSpec):
@@ -97,17 +99,13 @@ class SimCopier(Copier):
 
     def swap_out(self, gpu_ids, cpu_ids):
         for gpu, cpu, keep in self._plan(gpu_ids):
-            if keep is None:
-                cpu[cpu_ids] = gpu[:, gpu_ids].transpose(1, 0, 2)
-            else:       # blocks a draft layer lacks keep their old CPU bytes
-                cpu[cpu_ids[keep]] = gpu[:, gpu_ids[keep]].transpose(1, 0, 2)
+            g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])   # draft layers
+            _move(gpu, cpu, g, c, to_cpu=True)          # blocks a draft layer lacks keep their old CPU bytes
 
     def swap_in(self, gpu_ids, cpu_ids):
         for gpu, cpu, keep in self._plan(gpu_ids):
-            if keep is None:
-                gpu[:, gpu_ids] = cpu[cpu_ids].transpose(1, 0, 2)
-            else:
-                gpu[:, gpu_ids[keep]] = cpu[cpu_ids[keep]].transpose(1, 0, 2)
+            g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])
+            _move(gpu, cpu, g, c, to_cpu=False)
 
     def close(self):
         self._groups = []       # drop the views, so detaching the cache really unmaps it
@@ -115,6 +113,45 @@ class SimCopier(Copier):
     def _plan(self, gpu_ids):
         for gpu, cpu, num_blocks in self._groups:
             yield gpu, cpu, usable_ids(gpu_ids, num_blocks, self._full)
+
+
+# Rows this long move run by run (one NumPy call per run of consecutive ids, no temporary); shorter
+# rows are cheaper as fancy-indexed chunks whose temporaries stay cache-sized (measured on 2 cores:
+# 16 tensors x 8 KiB rows, 512 random ids: 8.2 GB/s run by run, 4.6 in chunks, 3.3 whole-task).
+RUN_MIN_ROW_BYTES = 4096
+CHUNK_BYTES = 1 << 20
+
+
+def _move(gpu, cpu, g, c, to_cpu):
+    """Copy rows of GPU view [tensors, blocks, bytes] blocks g to CPU view [blocks, tensors, bytes] blocks c
+    (or back)."""
+    n = len(g)
+    if n == 0:
+        return
+    tensors, row = gpu.shape[0], gpu.shape[2]
+    if row >= RUN_MIN_ROW_BYTES and n > 1:
+        for g0, c0, length in _runs(g, c):
+            if to_cpu:
+                cpu[c0:c0 + length] = gpu[:, g0:g0 + length].transpose(1, 0, 2)
+            else:
+                gpu[:, g0:g0 + length] = cpu[c0:c0 + length].transpose(1, 0, 2)
+        return
+    step = max(1, CHUNK_BYTES // (tensors * row))
+    for s in range(0, n, step):
+        gs, cs = g[s:s + step], c[s:s + step]
+        if to_cpu:
+            cpu[cs] = gpu[:, gs].transpose(1, 0, 2)
+        else:
+            gpu[:, gs] = cpu[cs].transpose(1, 0, 2)
+
+
+def _runs(g, c):
+    """(first GPU id, first CPU id, length) of each run where both id lists count up by one."""
+    breaks = np.flatnonzero((np.diff(g) != 1) | (np.diff(c) != 1)) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(g)]
+    gl, cl = g[starts].tolist(), c[starts].tolist()
+    return zip(gl, cl, (e - s for s, e in zip(starts, ends)))
 
 
 def _group_tensors(cache):
