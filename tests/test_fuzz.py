@@ -33,6 +33,7 @@ LIVE = settings(max_examples=50, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 PURE = settings(max_examples=200, deadline=None, database=None)
 CONTROL = ("stop", "clear", "restore")        # well-formed commands: not malformed input, never fuzzed live
+TASKS = ("task", "store_task")                # the messages that carry id frames
 
 # -- strategies ----------------------------------------------------------------------------------
 json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
@@ -40,7 +41,7 @@ json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
 json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4)
                            | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
 
-VALID_STR = {"kind": st.sampled_from(protocol.TASK_KINDS), "dtype": st.sampled_from(sorted(protocol.ID_DTYPES)),
+VALID_STR = {"kind": st.sampled_from(protocol.ALL_KINDS), "dtype": st.sampled_from(sorted(protocol.ID_DTYPES)),
              "phase": st.sampled_from(protocol.PHASES), "error": st.text(max_size=40)}
 
 
@@ -157,7 +158,7 @@ def acceptable_live(frames, task_floor=10**9):
     if got is None:
         return True
     header = got[0]
-    return header["type"] not in CONTROL and (header["type"] != "task" or header["task_id"] >= task_floor)
+    return header["type"] not in CONTROL and (header["type"] not in TASKS or header["task_id"] >= task_floor)
 
 
 def engine_records(caplog):
@@ -199,6 +200,9 @@ def check_decoded(frames):
     if header["type"] == "task":
         assert header["kind"] in protocol.TASK_KINDS and len(frames) == 3
         assert [a.dtype for a in ids] == [np.int64] * 2 and [len(a) for a in ids] == [header["count"]] * 2
+    elif header["type"] == "store_task":
+        assert header["kind"] in protocol.STORE_KINDS and len(frames) == 3
+        assert [a.dtype for a in ids] == [np.uint64, np.int64] and [len(a) for a in ids] == [header["count"]] * 2
     else:
         assert ids == [] and len(frames) == 1
 
@@ -229,7 +233,7 @@ def test_decode_of_random_bytes_raises_only_protocol_error(frames):
 @PURE
 @given(headers(valid=True))
 def test_decode_accepts_every_valid_non_task_message(header):
-    assume(header["type"] != "task")
+    assume(header["type"] not in TASKS)
     got, ids = protocol.decode(protocol.encode(header["type"], **{k: v for k, v in header.items() if k != "type"}))
     assert ids == [] and got == header
     for field, kind in protocol.SCHEMAS[header["type"]].items():

@@ -31,21 +31,23 @@ from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..ops import resolve_device
 from ..ipc.leftovers import remove_dead
+from ..store import parse_store_url
 from ..transfer import EXIT_REASONS
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .handle import TransferHandle
+from .l3 import StoreTasks
 
 log = logging.getLogger("fastcache.engine")
 
 MEMORY_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
 
 
-class SwapBackend:
+class SwapBackend(StoreTasks):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`"""
 
     def __init__(self, spec: CacheSpec, tp_size: int = 1, device: str = "auto", suffix: str | None = None,
-                 settings: Settings | None = None, device_ids=None):
+                 settings: Settings | None = None, device_ids=None, store: str | None = None):
         # Checked first, so that a bad FASTCACHE_* value is refused before anything is created. The
         # environment is checked even when `settings` is given: the transfer managers spawned read it.
         env_settings = Settings.from_env()
@@ -61,6 +63,7 @@ class SwapBackend:
         if len(self.device_ids) != tp_size:
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
+        self.store_url = parse_store_url(store) if store is not None else None    # L3 (engine/l3.py)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self._handles: dict[int, TransferHandle] = {}
         self._handles_lock = threading.Lock()
@@ -135,7 +138,7 @@ class SwapBackend:
         cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(self.tp_size),
                "--device_id", str(self.device_ids[rank]), "--ipc_suffix", self.suffix,
                "--socket_dir", self.socket_dir, "--engine_pid", str(os.getpid()), "--device", self.device,
-               "--spec", self.spec.to_json()]
+               "--spec", self.spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
         self._registered[rank] = self._attached[rank] = False
         self.signals.transfer_heartbeat[rank] = 0
         self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -489,6 +492,7 @@ class SwapBackend:
         if hasattr(self, "socket_dir"):
             remove_socket_dir(self.socket_dir)
         remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
+        self._close_store()
 
     def _stop_processes(self, grace: float = 5.0):
         deadline = time.monotonic() + grace

@@ -9,8 +9,14 @@ import json
 
 import numpy as np
 
+from ..store.keys import check_namespace
+
 SWAP_TO_CPU, SWAP_TO_GPU = "SWAP_TO_CPU", "SWAP_TO_GPU"
 TASK_KINDS = (SWAP_TO_CPU, SWAP_TO_GPU)
+# L3 tasks: a rank's CPU blocks to or from the store, named by hash (DESIGN §8)
+CPU_TO_STORE, STORE_TO_CPU = "CPU_TO_STORE", "STORE_TO_CPU"
+STORE_KINDS = (CPU_TO_STORE, STORE_TO_CPU)
+ALL_KINDS = TASK_KINDS + STORE_KINDS
 ID_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 MAX_HEADER_BYTES = 4096
 MAX_IDS = 1 << 24
@@ -20,6 +26,7 @@ MAX_ERROR_CHARS = 2000
 SCHEMAS = {
     "register": {"rank": int, "pid": int},
     "task": {"task_id": int, "kind": str, "dtype": str, "count": int},
+    "store_task": {"task_id": int, "kind": str, "namespace": str, "count": int},
     "done": {"task_id": int, "rank": int, "nbytes": int, "seconds": float},
     "failed": {"task_id": int, "rank": int, "error": str},
     "clear": {"release_swap_space": bool},
@@ -80,6 +87,8 @@ def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
             raise ProtocolError(f"{type_}: field {field!r} must be >= 0, got {value}")
     if "phase" in header and header["phase"] not in PHASES:
         raise ProtocolError(f"{type_}: unknown phase {header['phase']!r}")
+    if type_ == "store_task":
+        return header, _store_task_ids(header, frames)
     if type_ != "task":
         if len(frames) != 1:
             raise ProtocolError(f"{type_}: expected 1 frame, got {len(frames)}")
@@ -104,6 +113,28 @@ def _task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
             raise ProtocolError(f"task: {label} ids frame holds {len(frame)} bytes, expected {count * wire.itemsize}")
         ids.append(np.frombuffer(frame, wire).astype(np.int64))
     return ids
+
+
+def encode_store_task(task_id: int, kind: str, namespace: str, hashes: np.ndarray, cpu_ids: np.ndarray) -> list[bytes]:
+    """An L3 task: hashes as raw uint64, CPU block ids as raw int64, beside the JSON header."""
+    header = encode("store_task", task_id=task_id, kind=kind, namespace=namespace, count=len(hashes))
+    return header + [np.ascontiguousarray(hashes, "<u8").tobytes(), np.ascontiguousarray(cpu_ids, "<i8").tobytes()]
+
+
+def _store_task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
+    """[hashes (uint64), cpu ids (int64)] of a store task."""
+    if header["kind"] not in STORE_KINDS:
+        raise ProtocolError(f"store_task: unknown kind {header['kind']!r}")
+    try:
+        check_namespace(header["namespace"])
+    except ValueError as exc:
+        raise ProtocolError(f"store_task: {exc}") from None
+    count = header["count"]
+    if not 0 < count <= MAX_IDS:
+        raise ProtocolError(f"store_task: count {count} out of range 1..{MAX_IDS}")
+    if len(frames) != 3 or any(len(frame) != count * 8 for frame in frames[1:]):
+        raise ProtocolError(f"store_task: expected a header and two frames of {count * 8} bytes")
+    return [np.frombuffer(frames[1], "<u8").astype(np.uint64), np.frombuffer(frames[2], "<i8").astype(np.int64)]
 
 
 def check_ids(gpu_ids, cpu_ids, kind: str, num_gpu_blocks: int, num_cpu_blocks: int):

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from ..config import CacheSpec, Settings
+from ..store import parse_store_url
 from .manager import TransferManager
 
 
@@ -38,6 +39,7 @@ def build_parser():
     p.add_argument("--value_cache_shape", type=parse_shape, help="same as the key's, or omit for K-only")
     p.add_argument("--num_extra_layers", type=int, default=0)
     p.add_argument("--num_extra_layer_gpu_blocks", type=int, default=None)
+    p.add_argument("--store", default=None, help="L3 store URL: mooncake://HOST:PORT or file:///DIR")
     return p
 
 
@@ -61,11 +63,13 @@ def main(argv=None) -> int:
     try:
         spec = spec_from_args(args)
         settings = Settings.from_env()
+        if args.store:
+            parse_store_url(args.store)
     except ValueError as exc:
         print(f"fastcache.transfer: {exc}", file=sys.stderr)
         return 2
     manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.engine_pid,
-                              device=args.device, device_id=args.device_id, settings=settings)
+                              device=args.device, device_id=args.device_id, settings=settings, store=args.store)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return manager.run()

@@ -27,6 +27,7 @@ from ..ipc.queue import connect_client
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import DeploymentSignals
 from ..ops import get_ops
+from .l3 import StoreIO, store_task
 from .scheduler import Scheduler, Task
 
 log = logging.getLogger("fastcache.transfer")
@@ -43,7 +44,8 @@ def read_manifest(suffix: str, rank: int) -> list:
 
 class TransferManager:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str,
-                 engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None):
+                 engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None,
+                 store: str | None = None):
         self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
         self.engine_pid, self.device_id = engine_pid, device_id
         self.settings = settings or Settings.from_env()
@@ -60,17 +62,18 @@ class TransferManager:
         self.phase = "running"          # running | clearing | cleared | restoring
         self.release_swap = False
         self.scheduler = Scheduler()
-        self.queues = {kind: queue.Queue() for kind in protocol.TASK_KINDS}
-        self.queued = {kind: 0 for kind in protocol.TASK_KINDS}     # handed to the executor, not reported
+        self.queues = {kind: queue.Queue() for kind in protocol.ALL_KINDS}
+        self.queued = {kind: 0 for kind in protocol.ALL_KINDS}      # handed to the executor, not reported
         self.executing = {}                                           # task id -> task, for the reports
         self.threads = [threading.Thread(target=self._execute, args=(kind,), daemon=True, name=kind)
-                        for kind in protocol.TASK_KINDS]
+                        for kind in protocol.ALL_KINDS]
         self.heartbeat = Heartbeat(self.signals.transfer_heartbeat, rank, self.settings.heartbeat_interval,
                                    check=self._check_peers)
         self.fail_every = self.settings.injected_fault("fail_every", rank)      # fault-injection tests
         self.fail_attach = self.settings.injected_fault("fail_attach", rank)
         self.tasks_seen = self.attaches_tried = 0
         self.attach_error = None        # set when an attach failed; cleared by the next restore
+        self.l3 = StoreIO(store, rank) if store else None      # L3 tasks (DESIGN §8), one thread per direction
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -184,6 +187,8 @@ class TransferManager:
     def _detach(self):
         self._detach_cache()
         if self.release_swap and self.swap is not None:
+            if self.l3 is not None:
+                self.l3.detach()
             self.swap.close()
             self.swap = None
             self.signals.swap_space_ready[self.rank] = 0
@@ -208,6 +213,8 @@ class TransferManager:
                 self.phase, self.release_swap = "clearing", header["release_swap_space"]
             elif kind == "restore":
                 self.phase, self.attach_error = "restoring", None     # a retried restore attaches afresh
+            elif kind == "store_task":
+                self._on_store_task(header, ids)
             elif kind == "stop":
                 return "stop"
             else:
@@ -224,10 +231,24 @@ class TransferManager:
             return
         self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1])))
 
+    def _on_store_task(self, header, ids):
+        task_id = header["task_id"]
+        try:
+            if self.l3 is None:
+                raise ValueError(f"rank {self.rank} has no store (SwapBackend(store=...) was not given)")
+            if self.phase != "running" or self.swap is None:
+                raise ValueError(f"rank {self.rank} has no CPU tier attached (phase {self.phase})")
+            protocol.check_ids(ids[1], ids[1], protocol.SWAP_TO_CPU, self.spec.num_cpu_blocks, self.spec.num_cpu_blocks)
+        except ValueError as exc:
+            self._send("failed", task_id=task_id, rank=self.rank, error=str(exc))
+            return
+        self._dispatch(self.scheduler.add(store_task(header, *ids)))
+
     def _dispatch(self, tasks):
         """Small tasks on an idle direction run right here: a thread hand-off costs more than their copy."""
         for task in tasks:
-            if self.queued[task.kind] == 0 and self.spec.task_bytes(task.gpu_ids) <= self.settings.inline_bytes:
+            if self.queued[task.kind] == 0 and task.kind in protocol.TASK_KINDS and \
+                    self.spec.task_bytes(task.gpu_ids) <= self.settings.inline_bytes:
                 self._finished(task, self._run(task))
             else:
                 self.queued[task.kind] += 1
@@ -269,14 +290,18 @@ class TransferManager:
             self._maybe_fail(task)
             if task.kind == protocol.SWAP_TO_CPU:
                 self.copier.swap_out(task.gpu_ids, task.cpu_ids)
-            else:
+            elif task.kind == protocol.SWAP_TO_GPU:
                 self.copier.swap_in(task.gpu_ids, task.cpu_ids)
+            else:
+                nbytes = self.l3.run(task, self.swap.rows, self.spec, self.tp_size)
         except Exception as exc:
             log.error("rank %d: task %d failed: %s", self.rank, task.task_id, exc)
             return protocol.encode("failed", task_id=task.task_id, rank=self.rank,
                                    error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
+        if task.kind in protocol.TASK_KINDS:
+            nbytes = self.spec.task_bytes(task.gpu_ids)
         return protocol.encode("done", task_id=task.task_id, rank=self.rank,
-                               nbytes=self.spec.task_bytes(task.gpu_ids), seconds=time.perf_counter() - start)
+                               nbytes=nbytes, seconds=time.perf_counter() - start)
 
     def _maybe_fail(self, task):
         self.tasks_seen += 1
@@ -285,12 +310,14 @@ class TransferManager:
 
     def close(self):
         self.heartbeat.stop()
-        for kind, thread in zip(protocol.TASK_KINDS, self.threads):
+        for kind, thread in zip(protocol.ALL_KINDS, self.threads):
             self.queues[kind].put(None)
             if thread.ident is not None:        # started (run() was called)
                 thread.join(timeout=5)
         self.release_swap = True
         self._detach()
+        if self.l3 is not None:
+            self.l3.close()
         self.sock.close(0)
         self.tasks.close(0)
         self.done_pull.close(0)

@@ -1,0 +1,115 @@
+"""SwapBackend's L3 methods (DESIGN §8): CPU blocks to and from the store, by hash, on every rank.
+
+The bytes never pass through the engine: each transfer manager puts or fetches its own rank's slice
+(CPU_TO_STORE, STORE_TO_CPU tasks). The engine only asks the store which objects exist, through a client
+of its own opened on first use.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ..errors import TransferError
+from ..ipc import protocol
+from ..ipc.signal import NORMAL, STATUS_NAMES
+from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store
+from .handle import TransferHandle
+
+
+class StoreTasks:
+    """Mixed into SwapBackend, whose __init__ sets store_url (a StoreURL or None)."""
+    store_url: StoreURL | None = None
+    _store = None
+    _store_lock = threading.Lock()
+
+    def cpu_to_store(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
+        """Put CPU block cpu_block_ids[i] of every rank into the store as the object of hashes[i]."""
+        return self._submit_store(protocol.CPU_TO_STORE, namespace, hashes, cpu_block_ids)
+
+    def store_to_cpu(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
+        """Fetch the object of hashes[i] of every rank into CPU block cpu_block_ids[i]. The handle fails
+        (TransferError naming the store) if any object is missing or does not match its header; those
+        CPU blocks then hold undefined bytes."""
+        return self._submit_store(protocol.STORE_TO_CPU, namespace, hashes, cpu_block_ids)
+
+    def store_contains(self, namespace: str, hashes) -> np.ndarray:
+        """A bool per hash: does the store hold its object for every rank? (Existence only: a fetch still
+        checks each header.)"""
+        hashes, keys = self._store_keys(namespace, hashes)
+        present = np.ones(len(hashes), bool)
+        for rank_keys in keys:
+            present &= self._store_client().exists(rank_keys, hashes)
+        return present
+
+    def store_remove(self, namespace: str, hashes):
+        """Remove the objects of these hashes, every rank's (absent ones are ignored)."""
+        hashes, keys = self._store_keys(namespace, hashes)
+        for rank_keys in keys:
+            self._store_client().remove(rank_keys, hashes)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _store_keys(self, namespace, hashes):
+        self._require_store()
+        check_namespace(namespace)
+        hashes = as_hashes(hashes)
+        fp = fingerprint(self.spec, self.tp_size)
+        return hashes, [ObjectKeys(namespace, fp, rank) for rank in range(self.tp_size)]
+
+    def _require_store(self):
+        if self.store_url is None:
+            raise ValueError("this backend has no store: give SwapBackend(..., store='mooncake://HOST:PORT' "
+                             "or 'file:///DIR')")
+
+    def _submit_store(self, kind, namespace, hashes, cpu_block_ids) -> TransferHandle:
+        self._require_store()
+        check_namespace(namespace)
+        hashes = as_hashes(hashes)
+        cpu_ids = _cpu_ids(cpu_block_ids, self.spec.num_cpu_blocks)
+        if len(hashes) != len(cpu_ids):
+            raise ValueError(f"hashes has {len(hashes)} entries but cpu_block_ids has {len(cpu_ids)}")
+        if not 0 < len(hashes) <= protocol.MAX_IDS:
+            raise ValueError(f"a store task moves 1..{protocol.MAX_IDS} blocks, got {len(hashes)}")
+        if len(np.unique(hashes)) != len(hashes):
+            raise ValueError("duplicate hashes")
+        if not self._started or self._closed:
+            raise TransferError("the backend is not running")
+        if self.signals.status != NORMAL:
+            raise TransferError(f"store task refused: kv_cache_status is "
+                                f"{STATUS_NAMES.get(self.signals.status, self.signals.status)}")
+        self._raise_if_failed()
+        if not self._all_ready():
+            raise TransferError(f"store task refused: deployment not ready ({self._readiness()}); call wait_ready()")
+        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
+                                len(cpu_ids) * self.spec.cpu_block_bytes * self.tp_size)
+        with self._handles_lock:
+            self._handles[handle.task_id] = handle
+        self._send_all(protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids), handle.task_id)
+        return handle
+
+    def _store_client(self):
+        with self._store_lock:
+            if self._store is None:
+                self._store = open_store(self.store_url)
+            return self._store
+
+    def _close_store(self):
+        with self._store_lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+
+def _cpu_ids(ids, num_cpu_blocks) -> np.ndarray:
+    if isinstance(ids, (str, bytes, dict, set)):
+        raise ValueError(f"cpu_block_ids must be a sequence of ints, got {type(ids).__name__}")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"cpu_block_ids must be a one-dimensional sequence of ints, got {arr.dtype} {arr.shape}")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_cpu_blocks):
+        bad = arr[(arr < 0) | (arr >= num_cpu_blocks)][0]
+        raise ValueError(f"cpu block id {int(bad)} out of range 0..{num_cpu_blocks - 1}")
+    if len(np.unique(arr)) != len(arr):
+        raise ValueError("duplicate cpu block ids")
+    return arr

@@ -1,0 +1,54 @@
+"""The L3 store interface: put, get, exists and remove of one rank's CPU blocks, by key.
+
+A store serves one rank of one process. `attach` hands it the rank's CPU tier once (Mooncake registers
+it, so puts and gets read and write the CPU blocks in place); every call then names CPU blocks by id.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..errors import TransferError
+from .keys import ObjectKeys
+
+
+class StoreError(TransferError):
+    """The store could not be used (unreachable, failed I/O); the message names the store."""
+
+
+class BlockStore(ABC):
+    url: str
+
+    def attach(self, tier: np.ndarray):
+        """The rank's CPU tier, uint8 [num_cpu_blocks, cpu_block_bytes]; put and get address its rows."""
+        self.tier = tier
+
+    def detach(self):
+        """Forget the CPU tier (before its memory is unmapped)."""
+        self.tier = None
+
+    @abstractmethod
+    def put(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray):
+        """Store CPU block cpu_ids[i] as the object of hashes[i]. An object becomes visible whole or not at
+        all. Raises StoreError."""
+
+    @abstractmethod
+    def get(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray) -> np.ndarray:
+        """Fetch the object of hashes[i] into CPU block cpu_ids[i]; returns a bool hit per hash. A missing
+        object, or one whose header or checksum does not match, is a miss, and that CPU block's bytes are
+        then undefined. Raises StoreError when the store itself fails."""
+
+    @abstractmethod
+    def exists(self, keys: ObjectKeys, hashes: np.ndarray) -> np.ndarray:
+        """A bool per hash: is its object there (not fetched, so not yet checked)?"""
+
+    @abstractmethod
+    def remove(self, keys: ObjectKeys, hashes: np.ndarray):
+        """Remove the objects of these hashes (absent ones are ignored)."""
+
+    def close(self):
+        pass
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,104 @@
+"""What names an L3 object and what it carries: key, geometry fingerprint and the header checked on fetch.
+
+An object holds one rank's CPU block of one hash: a 64-byte header, then the block's bytes. The header
+repeats everything the key says (namespace, geometry fingerprint, hash, rank) plus the payload's length
+and checksum, so a fetch that finds a foreign, stale, truncated or corrupted object under the key sees a
+mismatch and reports a miss: it never hands out wrong bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import numpy as np
+import xxhash
+
+from ..config import CacheSpec
+
+FORMAT = 1                                  # bump when the object layout or the fingerprint inputs change
+MAGIC = b"FCL3OBJ%d" % FORMAT
+# magic, rank, reserved, hash, payload length, payload checksum (xxh3-64), fingerprint, namespace digest
+HEADER = struct.Struct("<8sIIQQQ8s16s")
+HEADER_BYTES = 64
+assert HEADER.size == HEADER_BYTES
+MAX_NAMESPACE_CHARS = 256
+
+
+def check_namespace(namespace) -> str:
+    """A namespace names a model and weight version; it goes into keys and paths, so it is kept printable."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+    if len(namespace) > MAX_NAMESPACE_CHARS:
+        raise ValueError(f"namespace has {len(namespace)} characters, at most {MAX_NAMESPACE_CHARS} allowed")
+    if not namespace.isprintable():
+        raise ValueError(f"namespace {namespace!r} holds non-printable characters")
+    return namespace
+
+
+def as_hashes(hashes, label="hashes") -> np.ndarray:
+    """Block hashes as a 1-D uint64 array: any integer sequence or array; negative values are taken as
+    the bits of an int64 (engines often hash into signed 64-bit ints)."""
+    if isinstance(hashes, (str, bytes, dict, set)):
+        raise ValueError(f"{label} must be a sequence of ints, got {type(hashes).__name__}")
+    if not isinstance(hashes, np.ndarray):
+        values = list(hashes)
+        if any(isinstance(h, bool) or not isinstance(h, (int, np.integer)) for h in values):
+            raise ValueError(f"{label} must hold ints")
+        if any(not -2**63 <= int(h) < 2**64 for h in values):
+            raise ValueError(f"{label}: a hash lies outside the 64-bit range")
+        return np.array([int(h) & (2**64 - 1) for h in values], dtype=np.uint64)
+    if hashes.ndim != 1:
+        raise ValueError(f"{label} must be one-dimensional, got shape {hashes.shape}")
+    if hashes.size and hashes.dtype.kind not in "iu":
+        raise ValueError(f"{label} must hold integers, got dtype {hashes.dtype}")
+    if hashes.dtype.kind == "i":
+        return hashes.astype(np.int64).view(np.uint64)
+    return hashes.astype(np.uint64)
+
+
+def fingerprint(spec: CacheSpec, tp_size: int) -> str:
+    """16 hex digits naming what the bytes of one rank's CPU block mean: the per-rank geometry and the
+    tensor-parallel size (which heads a rank holds). Block counts are capacity, not meaning: left out."""
+    meaning = {
+        "format": FORMAT, "tp_size": tp_size, "cpu_block_bytes": spec.cpu_block_bytes,
+        **{f: getattr(spec, f) for f in ("num_layers", "num_extra_layers", "block_size", "num_kv_heads",
+                                         "head_dim", "cache_dtype", "has_value", "scale_dtype")},
+        "tensors": [(t.kind, t.layer, t.block_bytes, t.cpu_offset) for t in spec.tensors()],
+    }
+    return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checksum(payload) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+class ObjectKeys:
+    """The keys and headers of one rank's objects in one namespace and geometry."""
+
+    def __init__(self, namespace: str, fingerprint: str, rank: int):
+        self.namespace = check_namespace(namespace)
+        self.fingerprint = fingerprint
+        self.rank = rank
+        self._fp = bytes.fromhex(fingerprint)
+        self._ns = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+        self.prefix = f"fastcache/{namespace}/{fingerprint}/"
+
+    def name(self, h: int) -> str:
+        """Mooncake key; it begins with namespace and fingerprint, as DESIGN §8 asks."""
+        return f"{self.prefix}{int(h):016x}/r{self.rank}"
+
+    def header(self, h: int, payload) -> bytes:
+        return HEADER.pack(MAGIC, self.rank, 0, int(h), len(payload), checksum(payload), self._fp, self._ns)
+
+    def write_header(self, out: np.ndarray, h: int, payload):
+        out[:HEADER_BYTES] = np.frombuffer(self.header(h, payload), np.uint8)
+
+    def matches(self, h: int, header, payload) -> bool:
+        """Does this header describe exactly this key, and does the payload have its length and checksum?"""
+        try:
+            magic, rank, _, got_hash, length, digest, fp, ns = HEADER.unpack(bytes(header[:HEADER_BYTES]))
+        except struct.error:
+            return False
+        return (magic == MAGIC and rank == self.rank and got_hash == int(h) and fp == self._fp and ns == self._ns
+                and length == len(payload) and digest == checksum(payload))

@@ -1,0 +1,122 @@
+"""file:///DIR: the L3 store as files in a local directory, for a single machine without Mooncake.
+
+An object is one file, header then payload, at DIR/objects/<namespace>/<fingerprint>/<hh>/<hash>.r<rank>.
+A put writes a temporary file in DIR/tmp (same file system) and renames it into place, so a reader sees
+the whole object or none, and a writer killed half-way leaves only a temporary file, which the next store
+opened on DIR removes once its writer is dead.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from urllib.parse import quote
+
+import numpy as np
+import psutil
+
+from .base import BlockStore, StoreError
+from .keys import HEADER_BYTES, ObjectKeys
+
+
+class FileStore(BlockStore):
+    def __init__(self, url: str, root: str):
+        self.url, self.root = url, root
+        self.tier = None
+        self._objects = os.path.join(root, "objects")
+        self._tmp = os.path.join(root, "tmp")
+        try:
+            os.makedirs(self._objects, mode=0o700, exist_ok=True)
+            os.makedirs(self._tmp, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"store {url}: cannot create {root}: {exc}") from None
+        self._remove_dead_temps()
+
+    def _remove_dead_temps(self):
+        for name in os.listdir(self._tmp):
+            pid = name.split("-", 1)[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                try:
+                    os.unlink(os.path.join(self._tmp, name))
+                except FileNotFoundError:
+                    pass
+
+    def _dir(self, keys: ObjectKeys) -> str:
+        # readable, yet never "." or "..", never too long for one path component, and unique
+        ns = quote(keys.namespace, safe="").replace(".", "%2E")[:80]
+        digest = hashlib.blake2b(keys.namespace.encode(), digest_size=8).hexdigest()
+        return os.path.join(self._objects, f"{ns}-{digest}", keys.fingerprint)
+
+    def _path(self, keys: ObjectKeys, h: int, base: str | None = None) -> str:
+        name = f"{int(h):016x}"
+        return os.path.join(base or self._dir(keys), name[:2], f"{name}.r{keys.rank}")
+
+    def put(self, keys, hashes, cpu_ids):
+        base = self._dir(keys)
+        for h, c in zip(hashes.tolist(), cpu_ids.tolist()):
+            payload = self.tier[c]
+            final = self._path(keys, h, base)
+            tmp = os.path.join(self._tmp, f"{os.getpid()}-{secrets.token_hex(8)}")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    _write_all(fd, keys.header(h, payload))
+                    _write_all(fd, memoryview(payload))
+                finally:
+                    os.close(fd)
+                os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+                os.replace(tmp, final)          # atomic: readers see the old object or the new one
+            except OSError as exc:
+                _unlink(tmp)
+                raise StoreError(f"store {self.url}: writing {final} failed: {exc}") from None
+
+    def get(self, keys, hashes, cpu_ids):
+        base = self._dir(keys)
+        hits = np.zeros(len(hashes), bool)
+        for i, (h, c) in enumerate(zip(hashes.tolist(), cpu_ids.tolist())):
+            row = self.tier[c]
+            path = self._path(keys, h, base)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    header = f.read(HEADER_BYTES)
+                    n = _read_into(f, memoryview(row)) if len(header) == HEADER_BYTES else 0
+                    whole = n == len(row) and not f.read(1)         # a longer file is not this object
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise StoreError(f"store {self.url}: reading {path} failed: {exc}") from None
+            hits[i] = whole and keys.matches(h, header, row)
+        return hits
+
+    def exists(self, keys, hashes):
+        base = self._dir(keys)
+        return np.array([os.path.exists(self._path(keys, h, base)) for h in hashes.tolist()], bool)
+
+    def remove(self, keys, hashes):
+        base = self._dir(keys)
+        for h in hashes.tolist():
+            _unlink(self._path(keys, h, base))
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_into(f, view) -> int:
+    """Fill view from f; returns the bytes read (fewer only at the end of the file)."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,156 @@
+"""mooncake://HOST:PORT: the L3 store in Mooncake Store, whose master listens on HOST:PORT.
+
+The rank's CPU tier is registered with Mooncake once, and so is a small header pool beside it (one
+64-byte slot per CPU block). An object is put from two buffers, [header slot, CPU block], and fetched
+back into the same two (`batch_put_from_multi_buffers`, `batch_get_into_multi_buffers`): the block's
+bytes move between the store and the CPU tier in place, yet header and payload are one object, so they
+appear, vanish and are evicted together; a separate header object could outlive or miss its payload.
+A fetch writes the payload into its CPU block before the header is checked, so the caller must treat
+that block as garbage on a miss (TieredCache loads L3 hits only into blocks nobody else can see yet).
+Mooncake keeps an existing object on a second put of its key: keys are content addresses, so the
+object is the same (a mismatching one is removed when a fetch finds it).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .base import BlockStore, StoreError
+from .keys import HEADER_BYTES, ObjectKeys
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h) that we name or treat specially
+CODES = {-10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
+         -200: "NO_AVAILABLE_HANDLE (store full)", -600: "INVALID_PARAMS", -703: "REPLICA_IS_NOT_READY",
+         -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE",
+         -707: "LEASE_EXPIRED", -710: "REPLICA_NOT_FOUND", -712: "REPLICA_IS_GONE", -800: "TRANSFER_FAIL",
+         -900: "RPC_FAIL (master unreachable?)"}
+# a fetch that finds no whole object of ours: absent, still being written (or abandoned by a killed
+# writer), or gone
+MISS_CODES = {-703, -704, -710, -712}
+# what a fetch of an object longer (INVALID_PARAMS: buffers too small) or shorter (TRANSFER_FAIL) than
+# header + block returns; the object's size then tells a foreign object from a failed transfer
+SIZE_CODES = {-600, -800}
+BATCH_OBJECTS = 256             # objects per Mooncake call, so that one failure costs one bounded call
+BATCH_BYTES = 256 << 20
+
+
+def _environment(protocol: str, local_hostname: str):
+    """Mooncake reads these at setup; a user's own settings win."""
+    if protocol == "tcp":
+        os.environ.setdefault("MC_FORCE_TCP", "true")          # no RDMA device discovery for TCP
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")   # a dead master fails setup in ~4 s, not 90
+    os.environ.setdefault("GLOG_minloglevel", "1")             # Mooncake's INFO lines drown our logs
+
+
+class MooncakeStore(BlockStore):
+    def __init__(self, url: str, master: str, protocol: str = "tcp", devices: str = "",
+                 local_hostname: str = "127.0.0.1", segment_bytes: int = 0):
+        self.url, self.master = url, master
+        self.tier = self._headers = None
+        self._registered = []
+        _environment(protocol, local_hostname)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise StoreError(f"store {url}: Mooncake is not installed ({exc}); "
+                             f"pip install 'fastcache[mooncake]'") from None
+        self._client = MooncakeDistributedStore()
+        # P2PHANDSHAKE: transfer endpoints meet peer to peer, so the master is the only service needed.
+        # segment_bytes > 0 lends this process's memory to the pool (objects then die with the process).
+        rc = self._client.setup(local_hostname, "P2PHANDSHAKE", segment_bytes, 0, protocol, devices, master)
+        if rc != 0:
+            raise StoreError(f"store {url}: cannot connect to the Mooncake master at {master} "
+                             f"(setup returned {rc}); is mooncake_master running there?")
+
+    # -- the CPU tier ----------------------------------------------------------------------------
+    def attach(self, tier: np.ndarray):
+        self.detach()
+        headers = np.zeros((tier.shape[0], HEADER_BYTES), np.uint8)
+        for array in (tier, headers):
+            rc = self._client.register_buffer(array.ctypes.data, array.nbytes)
+            if rc != 0:
+                self.detach()
+                raise StoreError(f"store {self.url}: registering {array.nbytes} bytes failed ({_name(rc)})")
+            self._registered.append(array.ctypes.data)
+        self.tier, self._headers = tier, headers
+
+    def detach(self):
+        for ptr in self._registered:
+            self._client.unregister_buffer(ptr)
+        self._registered, self.tier, self._headers = [], None, None
+
+    def _buffers(self, cpu_ids):
+        """Per object, the two buffers it is put from or fetched into: its header slot, its CPU block."""
+        hp, tp, bb = self._headers.ctypes.data, self.tier.ctypes.data, self.tier.shape[1]
+        return [[hp + c * HEADER_BYTES, tp + c * bb] for c in cpu_ids], [[HEADER_BYTES, bb]] * len(cpu_ids)
+
+    def _chunks(self, n):
+        step = max(1, min(BATCH_OBJECTS, BATCH_BYTES // (self.tier.shape[1] + HEADER_BYTES)))
+        return (slice(i, i + step) for i in range(0, n, step))
+
+    # -- operations ------------------------------------------------------------------------------
+    def put(self, keys, hashes, cpu_ids):
+        hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
+        for part in self._chunks(len(hashes)):
+            names = []
+            for h, c in zip(hashes[part], cpu_ids[part]):
+                keys.write_header(self._headers[c], h, self.tier[c])
+                names.append(keys.name(h))
+            ptrs, sizes = self._buffers(cpu_ids[part])
+            self._check("put", names, self._client.batch_put_from_multi_buffers(names, ptrs, sizes))
+
+    def get(self, keys, hashes, cpu_ids):
+        hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
+        whole = HEADER_BYTES + self.tier.shape[1]
+        hits, bad = np.zeros(len(hashes), bool), []
+        for part in self._chunks(len(hashes)):
+            names = [keys.name(h) for h in hashes[part]]
+            ptrs, sizes = self._buffers(cpu_ids[part])
+            codes = self._client.batch_get_into_multi_buffers(names, ptrs, sizes)
+            for i, (name, h, c, code) in enumerate(zip(names, hashes[part], cpu_ids[part], codes)):
+                if code == whole:
+                    hits[part.start + i] = keys.matches(h, self._headers[c], self.tier[c])
+                    if not hits[part.start + i]:
+                        bad.append(name)
+                elif code >= 0 or (code in SIZE_CODES and self._other_size(name, whole)):
+                    bad.append(name)                # an object of another size: not ours
+                elif code not in MISS_CODES:
+                    raise StoreError(f"store {self.url}: get of {name} failed: {_name(code)}")
+        if bad:     # foreign or corrupt objects under our keys: removed, so that a put can replace them
+            self._client.batch_remove(bad, True)
+        return hits
+
+    def _other_size(self, name, whole) -> bool:
+        size = self._client.get_size(name)
+        return size >= 0 and size != whole
+
+    def exists(self, keys, hashes):
+        names = [keys.name(h) for h in hashes.tolist()]
+        codes = self._client.batch_is_exist(names) if names else []
+        for name, code in zip(names, codes):
+            if code < 0:
+                raise StoreError(f"store {self.url}: exists of {name} failed: {_name(code)}")
+        return np.array(codes, np.int64) == 1
+
+    def remove(self, keys, hashes):
+        names = [keys.name(h) for h in hashes.tolist()]
+        for name, code in zip(names, self._client.batch_remove(names, True) if names else []):
+            if code not in (0, -704):
+                raise StoreError(f"store {self.url}: remove of {name} failed: {_name(code)}")
+
+    def _check(self, op, names, codes):
+        for name, code in zip(names, codes):
+            if code < 0:
+                raise StoreError(f"store {self.url}: {op} of {name} failed: {_name(code)}")
+
+    def close(self):
+        if self._client is not None:
+            self.detach()
+            self._client.close()
+            self._client = None
+
+
+def _name(code: int) -> str:
+    return f"code {code} {CODES.get(code, '')}".rstrip()

@@ -1,0 +1,135 @@
+"""A Mooncake Store on this machine: a master and one memory server, on free loopback ports.
+
+Tests, `python -m fastcache.launch --store mooncake` and the trace tool start one for their run. The
+memory server is Mooncake's own `mooncake_client` (shipped in the wheel): it lends `segment_mb` of its
+memory to the pool, so objects outlive the deployments that put them, as in a real cluster where memory
+servers run beside the master. Both processes die with the process that started them (PDEATHSIG).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+from .base import StoreError
+
+LOOPBACK = "127.0.0.1"
+
+
+def mooncake_binary(name: str) -> str:
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise StoreError("Mooncake is not installed; pip install 'fastcache[mooncake]'")
+    for where in spec.submodule_search_locations:
+        path = os.path.join(where, name)
+        if os.access(path, os.X_OK):
+            return path
+    raise StoreError(f"Mooncake's {name} binary is missing from the installed package")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection((LOOPBACK, port), 0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+class MooncakeService:
+    """`with MooncakeService(segment_mb=256) as svc: SwapBackend(..., store=svc.url)`"""
+
+    def __init__(self, segment_mb: int = 256, start_timeout: float = 30.0):
+        self.segment_mb, self.start_timeout = segment_mb, start_timeout
+        self.master = self.server = None
+        self.port = self.metrics_port = self.server_port = None
+        self.log_dir = None
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://{LOOPBACK}:{self.port}"
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self):
+        self.log_dir = tempfile.mkdtemp(prefix="mooncake-service-")
+        self.port, self.metrics_port, self.server_port = free_port(), free_port(), free_port()
+        try:
+            self.start_master()
+            self.server = self._spawn("server", [
+                mooncake_binary("mooncake_client"), f"--master_server_address={LOOPBACK}:{self.port}",
+                "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.segment_mb << 20}",
+                f"--host={LOOPBACK}", f"--port={self.server_port}", "--protocol=tcp", "--logtostderr"])
+            self._wait_listening(self.server, self.server_port, "memory server")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_master(self):
+        """Start (or restart, after kill_master) the master on the same port."""
+        self.master = self._spawn("master", [
+            mooncake_binary("mooncake_master"), f"--rpc_port={self.port}", f"--rpc_address={LOOPBACK}",
+            f"--metrics_port={self.metrics_port}", f"--metrics_host={LOOPBACK}",
+            "--enable_metric_reporting=false", "--logtostderr"])
+        self._wait_listening(self.master, self.port, "master")
+
+    def kill_master(self):
+        if self.master is not None:
+            self.master.kill()
+            self.master.wait()
+            self.master = None
+
+    def _spawn(self, name, cmd):
+        env = {**os.environ, "MC_FORCE_TCP": "true", "MC_TCP_BIND_ADDRESS": LOOPBACK}
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent)
+
+    def _wait_listening(self, proc, port, what):
+        deadline = time.monotonic() + self.start_timeout
+        while not _listening(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise StoreError(f"Mooncake {what} did not start on port {port}: {self.log_tail(what)}")
+            time.sleep(0.02)
+
+    def log_tail(self, what: str, n: int = 1500) -> str:
+        name = "master" if what == "master" else "server"
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self):
+        for proc in (self.server, self.master):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.server = self.master = None
+        if self.log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.log_dir = None

@@ -1,0 +1,77 @@
+"""The transfer manager's side of L3: CPU_TO_STORE and STORE_TO_CPU tasks for its own rank.
+
+The store is opened on the first L3 task, not at start-up, so that an unreachable store never holds up
+swaps; a failed open fails that task (naming the store) and the next task tries again. The rank's CPU
+tier is attached to the store once and again whenever the transfer manager attaches a new one.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import CacheSpec
+from ..ipc import protocol
+from ..store import ObjectKeys, StoreError, fingerprint, open_store
+from .scheduler import Task
+
+
+@dataclass
+class StoreTask(Task):
+    """A scheduler task whose blocks are CPU blocks only (gpu_ids is empty), named by hash."""
+    hashes: np.ndarray = None
+    namespace: str = ""
+
+
+def store_task(header: dict, hashes: np.ndarray, cpu_ids: np.ndarray) -> StoreTask:
+    return StoreTask(header["task_id"], header["kind"], np.empty(0, np.int64), cpu_ids, hashes=hashes,
+                     namespace=header["namespace"])
+
+
+class StoreIO:
+    def __init__(self, url: str, rank: int):
+        self.url, self.rank = url, rank
+        self._store = None
+        self._tier = None               # the CPU tier the store has attached
+        self._keys = {}                 # (namespace, fingerprint) -> ObjectKeys
+        self._lock = threading.Lock()   # both L3 executor threads may open the store
+
+    def run(self, task: StoreTask, tier: np.ndarray, spec: CacheSpec, tp_size: int) -> int:
+        """Execute one L3 task against `tier` (the rank's CPU tier); returns the bytes moved."""
+        store = self._open(tier)
+        fp = fingerprint(spec, tp_size)
+        keys = self._keys.get((task.namespace, fp))
+        if keys is None:
+            keys = self._keys[(task.namespace, fp)] = ObjectKeys(task.namespace, fp, self.rank)
+        if task.kind == protocol.CPU_TO_STORE:
+            store.put(keys, task.hashes, task.cpu_ids)
+        else:
+            hits = store.get(keys, task.hashes, task.cpu_ids)
+            if not hits.all():
+                raise StoreError(f"store {self.url}: {int((~hits).sum())} of {len(hits)} objects missing "
+                                 f"or not matching their header (evicted, foreign or corrupt), e.g. hash "
+                                 f"{int(task.hashes[~hits][0]):#018x}")
+        return len(task.cpu_ids) * spec.cpu_block_bytes
+
+    def _open(self, tier):
+        with self._lock:
+            if self._store is None:
+                self._store = open_store(self.url)
+            if self._tier is not tier:
+                self._store.attach(tier)
+                self._tier = tier
+            return self._store
+
+    def detach(self):
+        """The CPU tier is about to be unmapped: the store must let go of it first."""
+        with self._lock:
+            if self._store is not None and self._tier is not None:
+                self._store.detach()
+            self._tier = None
+
+    def close(self):
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+            self._store, self._tier = None, None

@@ -1,0 +1,174 @@
+"""The L3 tier in Mooncake Store: a real master and memory server on free loopback ports, started by the
+tests and stopped after them. Skips where Mooncake is not installed, unless FASTCACHE_REQUIRE_MOONCAKE=1
+(CI sets it, so that a broken install fails instead of skipping)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pytest
+
+if os.environ.get("FASTCACHE_REQUIRE_MOONCAKE") == "1":
+    import mooncake.store  # noqa: F401  (fail loudly: CI installs it)
+else:
+    pytest.importorskip("mooncake.store", reason="Mooncake not installed (pip install 'fastcache[mooncake]')")
+
+from conftest import deployment, round_trip, small_spec
+from fastcache import TransferError
+from fastcache.store import ObjectKeys, StoreError, as_hashes, fingerprint, open_store
+from fastcache.store.keys import HEADER_BYTES
+from fastcache.store.service import MooncakeService, free_port
+from store_peer import run_peer
+from test_store import kill_during_put
+
+SPEC = small_spec(num_cpu_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def service():
+    with MooncakeService(segment_mb=256) as svc:
+        yield svc
+
+
+@pytest.fixture
+def store(service):
+    tier = np.random.default_rng(3).integers(1, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_bytes), dtype=np.uint8)
+    s = open_store(service.url)
+    s.attach(tier)
+    yield s
+    s.close()
+
+
+def keys(namespace, rank=0, spec=SPEC, tp=1):
+    return ObjectKeys(namespace, fingerprint(spec, tp), rank)
+
+
+def unique(prefix):
+    return f"{prefix}/{time.monotonic_ns()}"        # the module's tests share one store
+
+
+def test_round_trip_in_place_of_random_blocks(store):
+    tier, ns = store.tier, unique("rt")
+    k = keys(ns)
+    hashes = as_hashes(np.random.default_rng(4).integers(0, 2**63, 10))
+    want = tier[:10].copy()
+    store.put(k, hashes, np.arange(10))
+    assert store.exists(k, hashes).all()
+    tier[10:20] = 0
+    assert store.get(k, hashes, np.arange(10, 20)).all()
+    np.testing.assert_array_equal(tier[10:20], want)
+    for other in (keys(unique("other")), keys(ns, rank=1), keys(ns, tp=2),
+                  keys(ns, spec=dataclasses.replace(SPEC, head_dim=16))):
+        assert not store.exists(other, hashes).any()
+        assert not store.get(other, hashes, np.arange(20, 30)).any()
+    store.remove(k, hashes[:4])
+    np.testing.assert_array_equal(store.exists(k, hashes), [False] * 4 + [True] * 6)
+
+
+@pytest.fixture
+def raw(service):
+    """A plain Mooncake client, to put objects that fastcache would never write."""
+    from mooncake.store import MooncakeDistributedStore
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", service.url[len("mooncake://"):]) == 0
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "foreign", "short", "long", "garbage"])
+def test_corrupt_or_foreign_object_is_a_miss_and_is_replaced(store, raw, damage):
+    tier, k = store.tier, keys(unique("bad"))
+    good = np.frombuffer(k.header(5, tier[0]), np.uint8).tobytes() + tier[0].tobytes()
+    if damage == "flip_payload":
+        obj = bytearray(good)
+        obj[HEADER_BYTES + 3] ^= 0x10
+    elif damage == "foreign":                                  # hash 6's object under hash 5's key
+        obj = k.header(6, tier[0]) + tier[0].tobytes()
+    elif damage == "short":
+        obj = good[:-100]
+    elif damage == "long":
+        obj = good + b"x" * 100
+    else:
+        obj = np.random.default_rng(1).integers(0, 256, len(good), dtype=np.uint8).tobytes()
+    assert raw.put(k.name(5), bytes(obj)) == 0
+    assert store.exists(k, as_hashes([5])).all()
+    tier[1] = 0
+    assert not store.get(k, as_hashes([5]), np.array([1])).any()
+    assert not store.exists(k, as_hashes([5])).any()           # removed, so that a put can replace it
+    store.put(k, as_hashes([5]), np.array([0]))
+    assert store.get(k, as_hashes([5]), np.array([1])).all()
+    np.testing.assert_array_equal(tier[1], tier[0])
+
+
+def test_two_deployments_share_blocks_through_mooncake(service):
+    spec, ns = dataclasses.asdict(SPEC), unique("llama")
+    hashes = [int(h) for h in np.random.default_rng(8).integers(0, 2**63, 8)]
+    put = run_peer(url=service.url, namespace=ns, spec=spec, tp=2, mode="put", hashes=hashes)
+    assert put["present"] == [True] * 8
+    # the first deployment has exited: its blocks live on in the store's memory server
+    got = run_peer(url=service.url, namespace=ns, spec=spec, tp=2, mode="get", hashes=hashes)
+    assert got.get("error") is None and got["verified_bytes"] == 8 * 2 * SPEC.cpu_block_bytes
+    other_ns = run_peer(url=service.url, namespace=ns + "-next", spec=spec, tp=2, mode="get", hashes=hashes)
+    assert other_ns["present"] == [False] * 8 and "8 of 8 objects missing" in other_ns["error"]
+    other_geometry = run_peer(url=service.url, namespace=ns, spec={**spec, "num_kv_heads": 4}, tp=2, mode="get",
+                              hashes=hashes)
+    assert other_geometry["present"] == [False] * 8 and "missing" in other_geometry["error"]
+
+
+def test_transfer_manager_killed_during_a_put_leaves_no_visible_entry(service):
+    kill_during_put(service.url)
+
+
+def test_unreachable_master_fails_l3_by_name_within_bounded_time():
+    url = f"mooncake://127.0.0.1:{free_port()}"        # nothing listens there
+    with deployment(SPEC, tp=1, store=url) as (backend, workers):
+        cpu = backend.allocate_cpu_blocks(1)
+        start = time.monotonic()
+        with pytest.raises(TransferError, match=f"store {url}: cannot connect to the Mooncake master"):
+            backend.cpu_to_store("m", [1], cpu).result(timeout=30)
+        with pytest.raises(StoreError, match=f"store {url}"):
+            backend.store_contains("m", [1])
+        assert time.monotonic() - start < 20
+        round_trip(backend, workers, np.random.default_rng(0))       # L2 serves regardless
+
+
+def test_master_killed_fails_l3_by_name_then_a_restarted_master_is_used_again():
+    rng = np.random.default_rng(21)
+    with MooncakeService(segment_mb=64) as svc, deployment(SPEC, tp=2, store=svc.url) as (backend, workers):
+        cpu = backend.allocate_cpu_blocks(4)
+        for r in range(2):
+            backend.cpu_tier(r)[cpu] = rng.integers(1, 256, (4, SPEC.cpu_block_bytes), dtype=np.uint8)
+        want = [backend.cpu_tier(r)[cpu].copy() for r in range(2)]
+        backend.cpu_to_store("m", [1, 2, 3, 4], cpu).result(timeout=30)
+        assert backend.store_contains("m", [1, 2, 3, 4]).all()
+
+        svc.kill_master()
+        start = time.monotonic()
+        for call in (lambda: backend.cpu_to_store("m", [5, 6], cpu[:2]).result(timeout=60),
+                     lambda: backend.store_to_cpu("m", [1, 2], cpu[2:]).result(timeout=60),
+                     lambda: backend.store_contains("m", [1, 2])):
+            t = time.monotonic()
+            with pytest.raises(TransferError, match=f"store {svc.url}.*RPC_FAIL"):
+                call()
+            assert time.monotonic() - t < 15, "an L3 call with the master down must fail within seconds"
+            round_trip(backend, workers, rng, n=3)          # L2 keeps serving between the failures
+        assert time.monotonic() - start < 45
+
+        svc.start_master()      # a fresh master knows no objects; the memory server mounts again
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                backend.cpu_to_store("m", [7, 8, 9, 10], cpu).result(timeout=60)
+                if backend.store_contains("m", [7, 8, 9, 10]).all():
+                    break
+            except TransferError:
+                pass
+            assert time.monotonic() < deadline, "the restarted master was not used again"
+            time.sleep(0.5)
+        for r in range(2):
+            backend.cpu_tier(r)[cpu] = 0
+        backend.store_to_cpu("m", [7, 8, 9, 10], cpu).result(timeout=60)
+        for r in range(2):
+            np.testing.assert_array_equal(backend.cpu_tier(r)[cpu], want[r])
