@@ -1,7 +1,7 @@
 """fastcache: moves paged LLM KV-cache blocks between GPU memory and pinned CPU memory."""
 from .config import CacheSpec, Settings
-from .engine import SwapBackend, TransferHandle
+from .engine import SwapBackend, TieredCache, TransferHandle
 from .errors import TransferError
 
-__all__ = ["CacheSpec", "Settings", "SwapBackend", "TransferHandle", "TransferError"]
+__all__ = ["CacheSpec", "Settings", "SwapBackend", "TieredCache", "TransferHandle", "TransferError"]
 __version__ = "0.1.0"

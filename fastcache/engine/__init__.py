@@ -2,5 +2,6 @@
 from .allocator import CpuBlockAllocator
 from .backend import SwapBackend
 from .handle import TransferHandle
+from .tiered import TieredCache
 
-__all__ = ["SwapBackend", "TransferHandle", "CpuBlockAllocator"]
+__all__ = ["SwapBackend", "TransferHandle", "CpuBlockAllocator", "TieredCache"]

@@ -32,6 +32,7 @@ from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, Depl
 from ..ops import resolve_device
 from ..ipc.leftovers import remove_dead
 from ..store import parse_store_url
+from ..metrics import SwapCounters
 from ..transfer import EXIT_REASONS
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
@@ -65,6 +66,7 @@ class SwapBackend(StoreTasks):
         self._check_fits()
         self.store_url = parse_store_url(store) if store is not None else None    # L3 (engine/l3.py)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
+        self.counters = SwapCounters()              # exported by fastcache.metrics
         self._handles: dict[int, TransferHandle] = {}
         self._handles_lock = threading.Lock()
         self._submit_lock = threading.Lock()
@@ -195,6 +197,7 @@ class SwapBackend(StoreTasks):
             raise TransferError(f"swap refused: deployment not ready ({self._readiness()}); call wait_ready()")
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
                                 self.spec.task_bytes(gpu_ids) * self.tp_size)
+        handle.add_done_callback(self.counters.record)
         with self._handles_lock:
             self._handles[handle.task_id] = handle
         self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids), handle.task_id)

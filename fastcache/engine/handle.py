@@ -1,10 +1,13 @@
 """TransferHandle: one submitted task, completed when every rank has reported it (the per-task barrier)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from ..errors import TransferError
+
+log = logging.getLogger("fastcache.engine")
 
 
 class TransferHandle:
@@ -18,6 +21,25 @@ class TransferHandle:
         self._errors: dict[int, str] = {}
         self._event = threading.Event()
         self._lock = threading.Lock()
+        self._callbacks = []
+
+    @classmethod
+    def completed(cls, kind: str) -> "TransferHandle":
+        """A handle that is already done, for a request with nothing to move (task_id 0)."""
+        handle = cls(0, kind, [None], 0)
+        handle._rank_finished(None)
+        return handle
+
+    def add_done_callback(self, fn):
+        """Call fn(handle) once every rank has reported, before result() returns to any waiter (so what
+        the callback records is visible to whoever waited); at once if that has happened already.
+        Callbacks run on the thread that completes the handle (usually the engine's I/O thread): keep
+        them short, and never call into the backend from them."""
+        with self._lock:
+            if self._pending:
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
 
     def _rank_finished(self, rank: int, error: str | None = None):
         """Called by the engine's I/O thread (or on a rank's death) once per rank."""
@@ -27,9 +49,21 @@ class TransferHandle:
             self._pending.discard(rank)
             if error is not None:
                 self._errors[rank] = error
-            if not self._pending:
-                self.elapsed = time.perf_counter() - self._start
-                self._event.set()
+            if self._pending:
+                return
+            self.elapsed = time.perf_counter() - self._start
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call(fn, self)
+        self._event.set()
+
+    @property
+    def error(self) -> str | None:
+        """Why the task failed (every failed rank named), None if it succeeded or is still running."""
+        if not self._errors:
+            return None
+        detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
+        return f"task {self.task_id} ({self.kind}) failed on {detail}"
 
     def pending_ranks(self):
         with self._lock:
@@ -44,10 +78,16 @@ class TransferHandle:
             raise TimeoutError(f"task {self.task_id} ({self.kind}) not done after {timeout} s; "
                                f"waiting for ranks {sorted(self.pending_ranks())}")
         if self._errors:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
-            raise TransferError(f"task {self.task_id} ({self.kind}) failed on {detail}")
+            raise TransferError(self.error)
         return self
 
     def __repr__(self):
         state = "failed" if self._errors else "done" if self.done() else "pending"
         return f"TransferHandle(task_id={self.task_id}, kind={self.kind}, {state})"
+
+
+def _call(fn, handle):
+    try:
+        fn(handle)
+    except Exception:       # a broken callback must not break the I/O thread or the other callbacks
+        log.exception("callback of task %d raised", handle.task_id)

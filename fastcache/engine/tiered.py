@@ -1,0 +1,430 @@
+"""TieredCache: prefix reuse over the CPU tier, addressed by block hash (DESIGN §8).
+
+The engine names each full KV block by a chained hash of its tokens. `store` copies GPU blocks into CPU
+blocks the cache owns and indexes them by hash, `lookup` says how many leading hashes of a prompt are
+held, `load` copies held blocks back to GPU blocks. The bytes move through the backend's ordinary swap
+tasks (every rank copies its own slice); the cache only keeps the index, on the engine side.
+
+Rules, in the order an engine meets them:
+
+- **CPU blocks: a quota.** The cache reserves `capacity` blocks from the backend's CPU block allocator
+  when it is made (default: every block free then), so `allocate_cpu_blocks` keeps serving preemption
+  swaps from the rest and the two never share a block. `close()` gives the quota back.
+- **Recency.** An OrderedDict keeps entries least recently used first. `store` and `load` refresh the
+  hashes they name from last to first, so the first hash of a call ends up most recently used and a
+  prompt's chain is evicted from its tail, never its head first (a tail without its head is useless
+  to a prefix lookup). `lookup` only reads.
+- **Eviction** takes the least recently used entry that no transfer is using: entries being stored are
+  not visible yet, entries being loaded are pinned until their load's handle completes.
+- **Fail closed.** An entry becomes visible to `lookup` only when every rank has finished storing it
+  (the handle's completion callback runs before `result()` returns); a failed store or load drops its
+  entries; `load` of a hash that is not held raises before anything moves.
+- **Weights change, the cache goes.** A clear resets the CPU block allocator (its `generation` moves):
+  every entry and the quota are gone, and `lookup`/`store`/`load` raise TransferError until the cache
+  is given a namespace it has never used (`cache.namespace = "model/step-1"`); the quota is then taken
+  again. A new namespace without a clear drops every entry too (new weights, stale KV).
+
+Thread-safe: one lock guards the index. It is never held while calling into the backend, since a
+handle's completion callback, which takes it, may run on a submitting thread.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from itertools import filterfalse, islice, takewhile
+from operator import itemgetter
+
+import numpy as np
+
+from .. import metrics
+from ..errors import TransferError
+from ..ipc import protocol
+from ..ipc.signal import NORMAL, STATUS_NAMES
+from .backend import _as_ids
+from .handle import TransferHandle
+
+MASK = (1 << 64) - 1
+MIN_HASH = -(1 << 63)
+
+# An entry is a 4-item list, [CPU block, quota generation, pins, state]: a store makes 64 of them per
+# prompt, and a list costs a third of a slotted object to make. The quota generation is the allocator's
+# generation the block was reserved under; pins count loads in flight.
+BLOCK, QUOTA, PINS, STATE = range(4)
+_pins, _block = itemgetter(PINS), itemgetter(BLOCK)
+STORING, READY, DONE = range(3)      # DONE: its store ended but it is not (or no longer) in the index
+
+
+class TieredCache:
+    """`TieredCache(backend, namespace="llama-3-8b/step-0", capacity=None)`: see the module docstring."""
+
+    def __init__(self, backend, namespace: str, capacity: int | None = None):
+        _check_namespace(namespace)
+        self.backend = backend
+        allocator = backend.allocator
+        if capacity is None:
+            capacity = allocator.num_free
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive number of CPU blocks, got {capacity!r}")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._index: OrderedDict[int, list] = OrderedDict()     # every entry, least recently used first
+        self._visible: set[int] = set()                          # the READY ones: what lookup sees
+        self._drops = 0     # counts removals other than evictions (which never touch an entry in flight)
+        self._quota = allocator.generation
+        self._free = allocator.allocate(capacity)[::-1]          # ValueError if they are not free
+        self._namespace = namespace
+        self._used = {namespace}
+        self._refused = None          # why lookup/store/load are refused (a clear, close)
+        self._closed = False
+        self._counts = dict.fromkeys(metrics.TIER_COUNTERS, 0)
+        self._latency = {"store": metrics.Histogram(), "load": metrics.Histogram()}
+
+    # -- namespace (model and weight version) ------------------------------------------------------
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @namespace.setter
+    def namespace(self, name: str):
+        _check_namespace(name)
+        with self._lock:
+            self._sync()
+            if self._closed:
+                raise TransferError("the cache is closed")
+            if name == self._namespace and self._refused is None:
+                return
+            if name in self._used:
+                raise ValueError(f"namespace {name!r} was used before: a namespace names one model and weight "
+                                 f"version, and cached KV of old weights must never be served; pick a new one")
+            if self._refused is not None:       # after a clear: the quota went with the allocator's reset
+                state = self._backend_refusal()
+                if state:
+                    raise TransferError(f"cannot take CPU blocks for the cache: {state}")
+                generation = self.backend.allocator.generation
+                self._free = self.backend.allocator.allocate(self.capacity)[::-1]
+                self._quota = generation        # a clear racing this shows at the next _sync
+            else:
+                self._drop_all()
+            self._namespace = name
+            self._used.add(name)
+            self._refused = None
+
+    # -- the API -----------------------------------------------------------------------------------
+    def lookup(self, hashes) -> int:
+        """How many leading hashes are held (stored by every rank and not evicted). Reads only."""
+        keys = _as_hashes(hashes)
+        with self._lock:
+            self._check_usable()
+            n = len(list(takewhile(self._visible.__contains__, keys)))
+            counts = self._counts
+            counts["lookups"] += 1
+            counts["lookup_blocks"] += len(keys)
+            counts["hits"] += n
+            counts["misses"] += len(keys) - n
+        return n
+
+    def store(self, hashes, gpu_block_ids) -> TransferHandle:
+        """Copy GPU blocks into the CPU tier under their hashes. Hashes already held (or being stored)
+        are skipped and refreshed; a hash listed twice is stored once. When every CPU block is in use by
+        a transfer, the hashes that do not fit are skipped (counted as store_full). Returns the swap's
+        handle (an already completed one when nothing had to move)."""
+        keys, gpu = self._validate(hashes, gpu_block_ids, "store")
+        with self._lock:
+            self._check_usable()
+            batch = self._place(keys, gpu)
+        if batch is None:
+            return TransferHandle.completed(protocol.SWAP_TO_CPU)
+        new, new_gpu, entries, _ = batch
+        try:
+            handle = self.backend.swap_out(new_gpu, list(map(_block, entries)))
+        except BaseException:
+            with self._lock:
+                for key, entry in zip(new, entries):
+                    entry[STATE] = DONE
+                    self._drop(key, entry)
+            raise
+        handle.add_done_callback(lambda h: self._stored(h, batch))
+        return handle
+
+    def load(self, hashes, gpu_block_ids) -> TransferHandle:
+        """Copy held blocks to GPU blocks. Every hash must be held (see lookup), else ValueError and
+        nothing moves; the entries are pinned against eviction until the handle completes."""
+        keys, gpu = self._validate(hashes, gpu_block_ids, "load")
+        if len(set(gpu)) != len(gpu):
+            raise ValueError("duplicate destination gpu block ids")
+        if not keys:
+            return TransferHandle.completed(protocol.SWAP_TO_GPU)
+        with self._lock:
+            self._check_usable()
+            if not self._visible.issuperset(keys):
+                key = next(k for k in keys if k not in self._visible)
+                raise ValueError(f"hash {key:#x} is not held by the CPU tier (never stored, evicted, or still "
+                                 f"being stored); lookup() says how many leading hashes can be loaded")
+            entries = list(map(self._index.__getitem__, keys))
+            for entry in entries:
+                entry[PINS] += 1
+            self._touch(keys)
+            batch = (keys, entries, self._drops)
+        try:
+            handle = self.backend.swap_in(gpu, list(map(_block, entries)))
+        except BaseException:
+            with self._lock:
+                for key, entry in zip(keys, entries):
+                    self._unpin(key, entry)
+            raise
+        handle.add_done_callback(lambda h: self._loaded(h, batch))
+        return handle
+
+    def stats(self) -> dict:
+        """Counters since the cache was made (see metrics.TIER_COUNTERS), entries held, capacity, the hit
+        rate of lookups, and store/load latency histograms."""
+        with self._lock:
+            out = dict(self._counts)
+            out["entries"] = len(self._visible)
+            out["capacity"] = self.capacity if self._refused is None else 0
+            out["store_latency"] = self._latency["store"].snapshot()
+            out["load_latency"] = self._latency["load"].snapshot()
+            out["namespace"] = self._namespace
+        out["hit_rate"] = out["hits"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0
+        return out
+
+    def close(self):
+        """Drop every entry and give the quota back to the allocator (blocks in flight: once done)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._sync()
+            self._drop_all()
+            self._closed, self._refused = True, "the cache is closed"
+            free, self._free = self._free, []
+            if free and self._quota == self.backend.allocator.generation:
+                self.backend.allocator.free(free)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- bookkeeping (under the lock) ---------------------------------------------------------------
+    def _validate(self, hashes, gpu_block_ids, what):
+        keys = _as_hashes(hashes)
+        gpu = _as_gpu_ids(gpu_block_ids, self.backend.spec.num_gpu_blocks)
+        if len(keys) != len(gpu):
+            raise ValueError(f"{what}: {len(keys)} hashes but {len(gpu)} gpu_block_ids")
+        if len(gpu) > protocol.MAX_IDS:
+            raise ValueError(f"{what} moves at most {protocol.MAX_IDS} blocks, got {len(gpu)}")
+        return keys, gpu
+
+    def _place(self, keys, gpu):
+        """Entries for the new hashes of a store, evicting as needed, and the call's hashes refreshed.
+        Returns (new hashes, their GPU ids, their entries, drop count) or None when nothing is new.
+        Written with C-level builtins (filterfalse, map, deque): per hash, this is the cost of a store."""
+        where = dict(zip(keys, gpu))
+        if len(where) != len(keys):                 # a hash listed twice: its first GPU block wins
+            where = dict(zip(reversed(keys), reversed(gpu)))
+            keys = list(dict.fromkeys(keys))
+        index = self._index
+        new = list(filterfalse(index.__contains__, keys))
+        blocks = self._take_blocks(len(new), keys) if new else []
+        if len(blocks) < len(new):                  # no block for the rest: skipped, and not refreshed
+            self._counts["store_full"] += len(new) - len(blocks)
+            left = set(new[len(blocks):])
+            new = new[:len(blocks)]
+            keys = [key for key in keys if key not in left]
+        quota = self._quota
+        entries = [[block, quota, 0, STORING] for block in blocks]
+        index.update(zip(new, entries))
+        deque(map(index.move_to_end, reversed(keys)), maxlen=0)     # the first hash ends most recent
+        self._counts["store_skipped"] += len(keys) - len(new)
+        if not new:
+            return None
+        return new, list(map(where.__getitem__, new)), entries, self._drops
+
+    def _take_blocks(self, n, protect):
+        """n CPU blocks (fewer if there are not): free ones first, then least recently used entries that
+        no transfer uses and that the call does not name."""
+        free = self._free                           # lowest ids last: taken in ascending runs
+        take = min(n, len(free))
+        blocks = free[len(free) - take:][::-1]
+        del free[len(free) - take:]
+        n -= take
+        if not n:
+            return blocks
+        index = self._index
+        victims = list(islice(index, n))
+        candidates = list(map(index.__getitem__, victims))
+        if not (self._visible.issuperset(victims) and set(victims).isdisjoint(protect)) \
+                or any(map(_pins, candidates)):
+            victims = self._victims(n, set(protect))        # the slow way: skip what is in use
+            candidates = list(map(index.__getitem__, victims))
+        deque(map(index.__delitem__, victims), maxlen=0)
+        self._visible.difference_update(victims)
+        self._counts["evicted"] += len(victims)
+        return blocks + list(map(_block, candidates))
+
+    def _victims(self, n, protect):
+        """The n least recently used entries that are READY, unpinned and not in protect (or fewer)."""
+        out = []
+        for key, entry in self._index.items():
+            if entry[STATE] == READY and not entry[PINS] and key not in protect:
+                out.append(key)
+                if len(out) == n:
+                    break
+        return out
+
+    def _touch(self, keys):
+        deque(map(self._index.move_to_end, reversed(keys)), maxlen=0)
+
+    def _stored(self, handle, batch):
+        """Completion of a store (runs before its result() returns)."""
+        new, _, entries, drops = batch
+        with self._lock:
+            ok = handle.error is None
+            if ok and drops == self._drops:          # nothing was dropped meanwhile: all still indexed
+                for entry in entries:
+                    entry[STATE] = READY
+                self._visible.update(new)
+            else:
+                for key, entry in zip(new, entries):
+                    if ok and self._index.get(key) is entry:
+                        entry[STATE] = READY
+                        self._visible.add(key)
+                    else:
+                        entry[STATE] = DONE
+                        self._drop(key, entry)
+            if ok:
+                self._counts["stored_blocks"] += len(new)
+                self._counts["stored_bytes"] += handle.nbytes
+                self._latency["store"].observe(handle.elapsed)
+            else:
+                self._counts["failed_stores"] += 1
+
+    def _loaded(self, handle, batch):
+        keys, entries, drops = batch
+        with self._lock:
+            ok = handle.error is None
+            if ok and drops == self._drops:          # all still indexed: nothing to release
+                for entry in entries:
+                    entry[PINS] -= 1
+            else:
+                for key, entry in zip(keys, entries):
+                    if not ok:
+                        self._drop(key, entry)      # fail closed: its bytes are not trusted any more
+                    self._unpin(key, entry)
+            if ok:
+                self._counts["loads"] += 1
+                self._counts["loaded_blocks"] += len(keys)
+                self._counts["loaded_bytes"] += handle.nbytes
+                self._latency["load"].observe(handle.elapsed)
+            else:
+                self._counts["failed_loads"] += 1
+
+    def _unpin(self, key, entry):
+        entry[PINS] -= 1
+        if self._index.get(key) is not entry:
+            self._release(entry)
+
+    def _drop(self, key, entry):
+        """Remove an entry from the index; its block is reused once no transfer uses it."""
+        self._drops += 1
+        if self._index.get(key) is entry:
+            del self._index[key]
+            self._visible.discard(key)
+            if entry[STATE] == READY:
+                entry[STATE] = DONE
+        self._release(entry)
+
+    def _release(self, entry):
+        if entry[PINS] or entry[STATE] != DONE or entry[BLOCK] is None:
+            return
+        block, entry[BLOCK] = entry[BLOCK], None
+        if entry[QUOTA] != self._quota or entry[QUOTA] != self.backend.allocator.generation:
+            return                                  # a clear took the quota back already
+        if self._closed:
+            self.backend.allocator.free([block])
+        else:
+            self._free.append(block)
+
+    def _drop_all(self):
+        self._drops += 1
+        index, self._index, self._visible = self._index, OrderedDict(), set()
+        for entry in index.values():
+            if entry[STATE] == READY:
+                entry[STATE] = DONE
+            self._release(entry)
+
+    def _sync(self):
+        """Notice a clear: the allocator was reset, so the quota and every entry are gone."""
+        if self._refused is None and self._quota != self.backend.allocator.generation:
+            self._free = []
+            self._drop_all()
+            self._refused = (f"the cache was cleared (clear_caches): its entries are gone and the weights may "
+                             f"have changed; set cache.namespace to one not used before (was {self._namespace!r})")
+
+    def _check_usable(self):
+        self._sync()
+        if self._refused is not None:
+            raise TransferError(self._refused)
+        state = self._backend_refusal()
+        if state:
+            raise TransferError(f"the cache refuses requests now: {state}")
+
+    def _backend_refusal(self) -> str | None:
+        backend = self.backend
+        if backend._closed or not backend._started:
+            return "the backend is not running"
+        status = backend.signals.status
+        if status != NORMAL:
+            return f"kv_cache_status is {STATUS_NAMES.get(status, status)}"
+        return None
+
+
+def _check_namespace(name):
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"namespace must be a non-empty str, got {name!r}")
+
+
+def _as_gpu_ids(ids, bound) -> list[int]:
+    """GPU block ids as a list of ints in 0..bound-1 (a list of Python ints skips NumPy: the common case)."""
+    if isinstance(ids, (list, tuple, range)) and set(map(type, ids)) <= {int}:
+        ids = list(ids)
+    else:
+        ids = _as_ids(ids, "gpu_block_ids").tolist()
+    if ids and (min(ids) < 0 or max(ids) >= bound):
+        bad = next(i for i in ids if not 0 <= i < bound)
+        raise ValueError(f"gpu block id {bad} out of range 0..{bound - 1}")
+    return ids
+
+
+def _as_hashes(hashes) -> list[int]:
+    """Hashes as Python ints in 0..2**64-1 (a negative int64 is the same 64 bits as its uint64)."""
+    if isinstance(hashes, np.ndarray):
+        if hashes.ndim != 1 or hashes.dtype.kind not in "iu":
+            raise ValueError(f"hashes must be a 1-D integer array, got {hashes.dtype} of shape {hashes.shape}")
+        wide = hashes.astype(np.uint64 if hashes.dtype.kind == "u" else np.int64, copy=False)
+        return wide.view(np.uint64).tolist()
+    if isinstance(hashes, (str, bytes, bytearray, dict, set, frozenset)):
+        raise ValueError(f"hashes must be an ordered sequence of ints, got {type(hashes).__name__}")
+    try:
+        keys = list(hashes)
+    except TypeError:
+        raise ValueError(f"hashes must be a sequence of ints, got {type(hashes).__name__}") from None
+    if set(map(type, keys)) <= {int}:              # the fast path: a list of Python ints
+        if keys and (min(keys) < 0 or max(keys) > MASK):
+            _check_range(keys)
+            return [k & MASK for k in keys]
+        return keys
+    out = []
+    for k in keys:
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+            raise ValueError(f"hashes must be ints, got {type(k).__name__} {k!r}")
+        out.append(int(k))
+    _check_range(out)
+    return [k & MASK for k in out]
+
+
+def _check_range(keys):
+    for k in keys:
+        if not MIN_HASH <= k <= MASK:
+            raise ValueError(f"hash {k} does not fit in 64 bits")
