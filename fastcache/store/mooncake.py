@@ -12,6 +12,7 @@ object is the same (a mismatching one is removed when a fetch finds it).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import os
 
 import numpy as np
@@ -31,8 +32,10 @@ MISS_CODES = {-703, -704, -710, -712}
 # what a fetch of an object longer (INVALID_PARAMS: buffers too small) or shorter (TRANSFER_FAIL) than
 # header + block returns; the object's size then tells a foreign object from a failed transfer
 SIZE_CODES = {-600, -800}
-BATCH_OBJECTS = 256             # objects per Mooncake call, so that one failure costs one bounded call
-BATCH_BYTES = 256 << 20
+# objects per Mooncake call: one failure costs one bounded call, and checksums of one part overlap the
+# transfer of the next
+BATCH_OBJECTS = 256
+BATCH_BYTES = 16 << 20
 
 
 def _environment(protocol: str, local_hostname: str):
@@ -40,6 +43,8 @@ def _environment(protocol: str, local_hostname: str):
     if protocol == "tcp":
         os.environ.setdefault("MC_FORCE_TCP", "true")          # no RDMA device discovery for TCP
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+        # parallel connections per peer: +40-70% put/get on loopback here, for fastcache and raw clients alike
+        os.environ.setdefault("MC_TCP_LANES_PER_PEER", "4")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")   # a dead master fails setup in ~4 s, not 90
     os.environ.setdefault("GLOG_minloglevel", "1")             # Mooncake's INFO lines drown our logs
 
@@ -57,6 +62,7 @@ class MooncakeStore(BlockStore):
             raise StoreError(f"store {url}: Mooncake is not installed ({exc}); "
                              f"pip install 'fastcache[mooncake]'") from None
         self._client = MooncakeDistributedStore()
+        self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mooncake-io")  # one per direction
         # P2PHANDSHAKE: transfer endpoints meet peer to peer, so the master is the only service needed.
         # segment_bytes > 0 lends this process's memory to the pool (objects then die with the process).
         rc = self._client.setup(local_hostname, "P2PHANDSHAKE", segment_bytes, 0, protocol, devices, master)
@@ -93,23 +99,29 @@ class MooncakeStore(BlockStore):
     # -- operations ------------------------------------------------------------------------------
     def put(self, keys, hashes, cpu_ids):
         hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
-        for part in self._chunks(len(hashes)):
+
+        def prepare(part):          # headers and checksums of the next part, while the previous one moves
             names = []
             for h, c in zip(hashes[part], cpu_ids[part]):
                 keys.write_header(self._headers[c], h, self.tier[c])
                 names.append(keys.name(h))
-            ptrs, sizes = self._buffers(cpu_ids[part])
-            self._check("put", names, self._client.batch_put_from_multi_buffers(names, ptrs, sizes))
+            return (names, *self._buffers(cpu_ids[part]))
+
+        def finish(part, job, codes):
+            self._check("put", job[0], codes)
+
+        self._pipelined(len(hashes), prepare, self._client.batch_put_from_multi_buffers, finish)
 
     def get(self, keys, hashes, cpu_ids):
         hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
         whole = HEADER_BYTES + self.tier.shape[1]
         hits, bad = np.zeros(len(hashes), bool), []
-        for part in self._chunks(len(hashes)):
-            names = [keys.name(h) for h in hashes[part]]
-            ptrs, sizes = self._buffers(cpu_ids[part])
-            codes = self._client.batch_get_into_multi_buffers(names, ptrs, sizes)
-            for i, (name, h, c, code) in enumerate(zip(names, hashes[part], cpu_ids[part], codes)):
+
+        def prepare(part):
+            return ([keys.name(h) for h in hashes[part]], *self._buffers(cpu_ids[part]))
+
+        def finish(part, job, codes):       # checksums of this part, while the next one moves
+            for i, (name, h, c, code) in enumerate(zip(job[0], hashes[part], cpu_ids[part], codes)):
                 if code == whole:
                     hits[part.start + i] = keys.matches(h, self._headers[c], self.tier[c])
                     if not hits[part.start + i]:
@@ -118,9 +130,31 @@ class MooncakeStore(BlockStore):
                     bad.append(name)                # an object of another size: not ours
                 elif code not in MISS_CODES:
                     raise StoreError(f"store {self.url}: get of {name} failed: {_name(code)}")
+
+        self._pipelined(len(hashes), prepare, self._client.batch_get_into_multi_buffers, finish)
         if bad:     # foreign or corrupt objects under our keys: removed, so that a put can replace them
             self._client.batch_remove(bad, True)
         return hits
+
+    def _pipelined(self, n, prepare, transfer, finish):
+        """transfer(*prepare(part)) for each part in turn on an I/O thread (Mooncake releases the GIL),
+        while this thread prepares the next part and finishes the previous one. Returns or raises only
+        once nothing is in flight: a fetch still writing into CPU blocks after its task has failed would
+        corrupt blocks that the engine hands out again."""
+        parts = list(self._chunks(n))
+        job = prepare(parts[0])
+        future = self._io.submit(transfer, *job)
+        try:
+            for i, part in enumerate(parts):
+                following = prepare(parts[i + 1]) if i + 1 < len(parts) else None
+                codes, future = future.result(), None
+                if following is not None:
+                    future = self._io.submit(transfer, *following)
+                finish(part, job, codes)
+                job = following
+        finally:
+            if future is not None:
+                concurrent.futures.wait([future])
 
     def _other_size(self, name, whole) -> bool:
         size = self._client.get_size(name)
@@ -147,6 +181,7 @@ class MooncakeStore(BlockStore):
 
     def close(self):
         if self._client is not None:
+            self._io.shutdown()
             self.detach()
             self._client.close()
             self._client = None
