@@ -23,6 +23,7 @@ setup(
         "paddle": ["paddlepaddle==3.3.1"],
         "torch": ["torch>=2.4"],
         "cuda": ["cuda-bindings>=12.9,<14"],     # NVRTC comes with the CUDA toolkit or its nvrtc wheel
+        "plot": ["matplotlib==3.11.2"],          # python -m fastcache.tools.trace --plot
         # Mooncake Store for the L3 tier (mooncake://); its wheel needs libibverbs1 librdmacm1 libnuma1
         # liburing2 libcurl4 from the system, even for TCP
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
