@@ -2,7 +2,9 @@
 
 It starts the engine (this process), one worker process and one transfer manager per rank, then runs a
 verifying workload: random data in every cache tensor, random block mappings, swap out, overwrite,
-swap in elsewhere, and every byte compared with what it must be. It measures one-block latency and
+swap in elsewhere, and every byte compared with what it must be. Then prefix reuse: multi-turn
+conversations through a TieredCache (lookup, load of the cached prefix, store of the rest), every loaded
+block compared with the bytes its hash implies. It measures one-block latency and
 bulk throughput against a plain memcpy of the same bytes, runs clear/restore cycles (RL weight
 updates) and prints a report. Exit status 0 only if every check passed; nothing is left running and
 nothing is left in /dev/shm.
@@ -19,11 +21,12 @@ import time
 import numpy as np
 
 from .config import CACHE_DTYPES, CacheSpec, Settings
-from .engine import SwapBackend
+from .engine import SwapBackend, TieredCache
 from .ipc.naming import PREFIX
 from .ipc.shm import SHM_DIR
 from .ops import get_ops, resolve_device
 from .ops.frameworks import FRAMEWORKS
+from .tools.hashbytes import HashBytes, mismatched, write_blocks
 from .transfer.manager import read_manifest
 
 
@@ -51,6 +54,8 @@ def build_parser():
     g.add_argument("--cache-dtype", default="bfloat16", choices=CACHE_DTYPES)
     g = p.add_argument_group("workload")
     g.add_argument("--duration", type=float, default=3.0, help="seconds of random verified swaps")
+    g.add_argument("--prefix-requests", type=int, default=200,
+                   help="requests of the prefix-reuse workload (multi-turn conversations over a TieredCache)")
     g.add_argument("--rl-cycles", type=int, default=1, help="clear/restore cycles (RL weight updates)")
     g.add_argument("--latency-samples", type=int, default=300, help="one-block round trips timed")
     g.add_argument("--seed", type=int, default=0)
@@ -202,6 +207,61 @@ def run_workload(backend, verifier, checks, args, rng, report):
     backend.free_cpu_blocks(cpu_out.tolist() + cpu_in.tolist())
 
 
+def conversations(rng, n, longest):
+    """Prompts as hash chains: conversations that grow turn by turn from a few shared system prompts."""
+    systems = [[int(x) for x in rng.integers(1, 2**63, 2)] for _ in range(4)]
+    active, prompts = [], []
+    while len(prompts) < n:
+        if len(active) < 12 or rng.random() < 0.1:          # a new conversation
+            active.append(list(systems[int(rng.integers(len(systems)))]))
+        chat = active[int(rng.integers(len(active)))]
+        for _ in range(int(rng.integers(1, 4))):          # this turn's new blocks, chained to the prefix
+            chat.append(hash((chat[-1], int(rng.integers(2**62)))) & (2**64 - 1))
+        if len(chat) > longest:
+            active.remove(chat)
+            continue
+        prompts.append(list(chat))
+    return prompts
+
+
+def set_gpu_blocks(verifier, data, hashes, blocks):
+    """Write each hash's bytes into its GPU block on every rank (what the model would compute)."""
+    for rank, (cache, expected) in enumerate(zip(verifier.attached, verifier.gpu)):
+        images = data.images(hashes, rank)
+        write_blocks(cache, blocks, images)
+        for rows, info in zip(expected, cache.infos):
+            keep = blocks < info.num_blocks
+            rows[blocks[keep]] = images[keep, info.cpu_offset:info.cpu_offset + info.block_bytes]
+
+
+def prefix_reuse(backend, verifier, checks, args, rng, report):
+    """Conversations over a TieredCache holding half the CPU tier: per request, lookup, load of the
+    cached prefix (every loaded block verified on every rank), compute and store of the rest."""
+    spec = backend.spec
+    data = HashBytes(spec, seed=args.seed)
+    longest = min(spec.num_gpu_blocks, 64)
+    prompts = conversations(rng, args.prefix_requests, longest)
+    with TieredCache(backend, namespace="launch/step-0", capacity=max(1, spec.num_cpu_blocks // 2)) as cache:
+        bad = blocks = 0
+        for h in prompts:
+            gpu = rng.permutation(spec.num_gpu_blocks)[:len(h)]
+            n = cache.lookup(h)
+            if n:
+                cache.load(h[:n], gpu[:n]).result(timeout=60)
+                bad += sum(len(mismatched(c, gpu[:n], data.images(h[:n], r)))
+                           for r, c in enumerate(verifier.attached))
+            set_gpu_blocks(verifier, data, h, gpu)     # the loaded prefix holds these bytes already
+            cache.store(h, gpu).result(timeout=60)
+            blocks += len(h)
+        stats = cache.stats()
+    checks.check(bad == 0, f"prefix reuse: every loaded block holds its hash's bytes ({bad} differ)")
+    checks.check(stats["loaded_blocks"] > 0, "prefix reuse served blocks from the CPU tier")
+    report.update(prefix_requests=len(prompts), prefix_blocks=blocks, prefix_hits=stats["hits"],
+                  prefix_hit_rate=stats["hits"] / blocks, prefix_loaded=stats["loaded_blocks"],
+                  prefix_stored=stats["stored_blocks"], prefix_evicted=stats["evicted"],
+                  prefix_capacity=stats["capacity"])
+
+
 def measure(backend, verifier, checks, args, rng, report):
     spec = backend.spec
     lat = []
@@ -325,6 +385,11 @@ def print_report(report, checks):
           f"{report['tensors']} tensors, {report['cpu_block_kib']:.1f} KiB per block (all layers)")
     if "random_rounds" in report:
         print(f"  verified swaps  {report['random_rounds']} random rounds, {report['random_blocks']} blocks each way")
+    if "prefix_requests" in report:
+        print(f"  prefix reuse    {report['prefix_requests']} requests, {report['prefix_blocks']} blocks: "
+              f"{report['prefix_hits']} hits ({report['prefix_hit_rate']:.1%}) loaded from the CPU tier and "
+              f"verified, {report['prefix_stored']} computed and stored, {report['prefix_evicted']} evicted "
+              f"(cache of {report['prefix_capacity']} CPU blocks)")
     if "latency_p50_ms" in report:
         print(f"  one-block task  p50 {report['latency_p50_ms']:.3f} ms, p99 {report['latency_p99_ms']:.3f} ms "
               f"({report['one_block_bytes'] / 1024:.0f} KiB over all ranks)")
@@ -382,6 +447,9 @@ def main(argv=None) -> int:
             verifier.fill_all()
             print("  random verified swaps ...", flush=True)
             run_workload(backend, verifier, checks, args, rng, report)
+            if args.prefix_requests:
+                print("  prefix reuse ...", flush=True)
+                prefix_reuse(backend, verifier, checks, args, rng, report)
             print("  latency and throughput ...", flush=True)
             measure(backend, verifier, checks, args, rng, report)
             if args.rl_cycles:

@@ -22,6 +22,10 @@ def test_default_run_passes_every_check_and_reports(tmp_path):
                 "restore_ms"):
         assert report[key] > 0
     assert report["memory_returned_mib"] >= 2 * report["gpu_cache_mib"] * 0.99
+    # prefix reuse: cached prefixes were loaded (each verified) and the cache had to evict
+    assert report["prefix_requests"] == 200 and report["prefix_loaded"] == report["prefix_hits"] > 0
+    assert report["prefix_stored"] + report["prefix_hits"] == report["prefix_blocks"]
+    assert report["prefix_evicted"] > 0 and "prefix reuse    200 requests" in run.stdout
     assert "checks" in run.stdout and "0 failed: PASSED" in run.stdout
 
 
