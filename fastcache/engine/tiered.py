@@ -226,7 +226,8 @@ class TieredCache:
             keys = list(dict.fromkeys(keys))
         index = self._index
         new = list(filterfalse(index.__contains__, keys))
-        blocks = self._take_blocks(len(new), keys) if new else []
+        # the call's held hashes must survive its evictions (when every hash is new, none can be hit)
+        blocks = self._take_blocks(len(new), keys if len(new) < len(keys) else ()) if new else []
         if len(blocks) < len(new):                  # no block for the rest: skipped, and not refreshed
             self._counts["store_full"] += len(new) - len(blocks)
             left = set(new[len(blocks):])
@@ -254,8 +255,8 @@ class TieredCache:
         index = self._index
         victims = list(islice(index, n))
         candidates = list(map(index.__getitem__, victims))
-        if not (self._visible.issuperset(victims) and set(victims).isdisjoint(protect)) \
-                or any(map(_pins, candidates)):
+        if not self._visible.issuperset(victims) or any(map(_pins, candidates)) \
+                or (protect and not set(victims).isdisjoint(protect)):
             victims = self._victims(n, set(protect))        # the slow way: skip what is in use
             candidates = list(map(index.__getitem__, victims))
         deque(map(index.__delitem__, victims), maxlen=0)
