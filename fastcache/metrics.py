@@ -18,7 +18,8 @@ import threading
 # tens of ms, a GPU swap of a few GiB about a second.
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
                    500e-3, 1.0, 2.5, 5.0, 10.0)
-DIRECTIONS = {"SWAP_TO_CPU": "to_cpu", "SWAP_TO_GPU": "to_gpu"}
+DIRECTIONS = {"SWAP_TO_CPU": "to_cpu", "SWAP_TO_GPU": "to_gpu", "CPU_TO_STORE": "to_store",
+              "STORE_TO_CPU": "from_store"}
 
 
 class Histogram:
@@ -150,6 +151,13 @@ TIER_COUNTERS = {
     "failed_stores": "stores that failed (their entries were dropped)",
     "loaded_bytes": "bytes loaded, all ranks",
     "stored_bytes": "bytes stored, all ranks",
+    # the store below the CPU tier (L3), where the backend has one
+    "l3_hits": "leading hashes lookup found only in the store",
+    "l3_loaded_blocks": "blocks fetched from the store by loads (then swapped in)",
+    "l3_loaded_bytes": "bytes fetched from the store, all ranks",
+    "l3_written_blocks": "blocks put into the store (write-back of evicted entries, or write-through)",
+    "l3_written_bytes": "bytes put into the store, all ranks",
+    "l3_errors": "store failures (each sets the store aside for a while; the CPU tier keeps serving)",
 }
 TIER_GAUGES = {
     "entries": "hashes held and visible to lookup",

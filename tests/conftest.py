@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import tempfile
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from fastcache import CacheSpec, SwapBackend
 from fastcache.ipc.shm import SHM_DIR, SegmentError, creator_alive, read_creator, unlink
+from fastcache.ipc.queue import OWNER_FILE
 from fastcache.worker import CacheWorker
 
 
@@ -34,7 +36,19 @@ def _shm_entries():
 
 
 def _socket_dirs():
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "fastcache.*")))
+    """Socket directories, less those of live processes outside this test run (another session's)."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    dirs = set()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "fastcache.*")):
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = json.load(f)
+            pid, start = int(owner["pid"]), float(owner["start"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pid, start = 0, 0.0
+        if pid in ours or not creator_alive(pid, start):
+            dirs.add(path)
+    return dirs
 
 
 def _children():

@@ -190,6 +190,7 @@ def test_corrupt_or_foreign_object_is_a_miss_never_wrong_bytes(store, tier, tmp_
     open(path, "wb").write(data)
     assert store.exists(k, as_hashes([5])).all()   # there is a file ...
     assert not store.get(k, as_hashes([5]), np.array([9])).any()   # ... but it is not hash 5's block
+    assert not store.exists(k, as_hashes([5])).any()               # so it is removed
     assert store.get(k, as_hashes([6]), np.array([10])).all()       # its neighbour is untouched
     np.testing.assert_array_equal(tier[10], tier[1])
 

@@ -82,6 +82,7 @@ class StoreTasks:
             raise TransferError(f"store task refused: deployment not ready ({self._readiness()}); call wait_ready()")
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
                                 len(cpu_ids) * self.spec.cpu_block_bytes * self.tp_size)
+        handle.add_done_callback(self.counters.record)       # fastcache.metrics: per direction
         with self._handles_lock:
             self._handles[handle.task_id] = handle
         self._send_all(protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids), handle.task_id)

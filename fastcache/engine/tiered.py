@@ -42,6 +42,7 @@ from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
 from .backend import _as_ids
 from .handle import TransferHandle
+from .tiered_l3 import WRITE_MODES, L3Tier
 
 MASK = (1 << 64) - 1
 MIN_HASH = -(1 << 63)
@@ -54,11 +55,14 @@ _pins, _block = itemgetter(PINS), itemgetter(BLOCK)
 STORING, READY, DONE = range(3)      # DONE: its store ended but it is not (or no longer) in the index
 
 
-class TieredCache:
-    """`TieredCache(backend, namespace="llama-3-8b/step-0", capacity=None)`: see the module docstring."""
+class TieredCache(L3Tier):
+    """`TieredCache(backend, namespace="llama-3-8b/step-0", capacity=None, write="back")`: see the module
+    docstring; with a backend that has a store, tiered_l3 adds the store below the CPU tier."""
 
-    def __init__(self, backend, namespace: str, capacity: int | None = None):
+    def __init__(self, backend, namespace: str, capacity: int | None = None, write: str = "back"):
         _check_namespace(namespace)
+        if write not in WRITE_MODES:
+            raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
         self.backend = backend
         allocator = backend.allocator
         if capacity is None:
@@ -78,6 +82,7 @@ class TieredCache:
         self._closed = False
         self._counts = dict.fromkeys(metrics.TIER_COUNTERS, 0)
         self._latency = {"store": metrics.Histogram(), "load": metrics.Histogram()}
+        self._init_l3(write)
 
     # -- namespace (model and weight version) ------------------------------------------------------
     @property
@@ -111,17 +116,32 @@ class TieredCache:
 
     # -- the API -----------------------------------------------------------------------------------
     def lookup(self, hashes) -> int:
-        """How many leading hashes are held (stored by every rank and not evicted). Reads only."""
+        """How many leading hashes are held (stored by every rank and not evicted), by the CPU tier or, when
+        the backend has a store, by the store. Reads only."""
+        return self.lookup_tiers(hashes)[0]
+
+    def lookup_tiers(self, hashes) -> tuple[int, int]:
+        """(leading hashes held, how many of those only the store holds)."""
         keys = _as_hashes(hashes)
         with self._lock:
             self._check_usable()
             n = len(list(takewhile(self._visible.__contains__, keys)))
-            counts = self._counts
-            counts["lookups"] += 1
-            counts["lookup_blocks"] += len(keys)
-            counts["hits"] += n
-            counts["misses"] += len(keys) - n
-        return n
+            if n == len(keys) or not self._l3_usable():
+                self._count_lookup(len(keys), n, 0)
+                return n, 0
+            in_l2 = [k in self._visible for k in keys[n:]]
+        run, from_l3 = self._l3_extend(keys, n, in_l2)      # asks the store, outside the lock
+        with self._lock:
+            self._count_lookup(len(keys), n + run, from_l3)
+        return n + run, from_l3
+
+    def _count_lookup(self, asked, n, from_l3):
+        counts = self._counts
+        counts["lookups"] += 1
+        counts["lookup_blocks"] += asked
+        counts["hits"] += n - from_l3
+        counts["l3_hits"] += from_l3
+        counts["misses"] += asked - n
 
     def store(self, hashes, gpu_block_ids) -> TransferHandle:
         """Copy GPU blocks into the CPU tier under their hashes. Hashes already held (or being stored)
@@ -132,6 +152,8 @@ class TieredCache:
         with self._lock:
             self._check_usable()
             batch = self._place(keys, gpu)
+            taken = self._take_victims()
+        self._write_back(taken)         # L3: before the swap-out that reuses the evicted blocks
         if batch is None:
             return TransferHandle.completed(protocol.SWAP_TO_CPU)
         new, new_gpu, entries, _ = batch
@@ -143,6 +165,7 @@ class TieredCache:
                     entry[STATE] = DONE
                     self._drop(key, entry)
             raise
+        handle.add_done_callback(lambda h: self._write_through(h, batch))     # before _stored: see tiered_l3
         handle.add_done_callback(lambda h: self._stored(h, batch))
         return handle
 
@@ -154,6 +177,10 @@ class TieredCache:
             raise ValueError("duplicate destination gpu block ids")
         if not keys:
             return TransferHandle.completed(protocol.SWAP_TO_GPU)
+        if self._l3 and not self._l2_holds(keys):
+            handle = self._load_l3(keys, gpu)           # store hits come up through the CPU tier
+            if handle is not None:
+                return handle
         with self._lock:
             self._check_usable()
             if not self._visible.issuperset(keys):
@@ -199,6 +226,7 @@ class TieredCache:
             free, self._free = self._free, []
             if free and self._quota == self.backend.allocator.generation:
                 self.backend.allocator.free(free)
+        self._stop_l3()
 
     def __enter__(self):
         return self
@@ -260,6 +288,8 @@ class TieredCache:
             victims = self._victims(n, set(protect))        # the slow way: skip what is in use
             candidates = list(map(index.__getitem__, victims))
         deque(map(index.__delitem__, victims), maxlen=0)
+        if self._l3:
+            self._note_evicted(victims, candidates)     # written back to the store by the caller
         self._visible.difference_update(victims)
         self._counts["evicted"] += len(victims)
         return blocks + list(map(_block, candidates))

@@ -17,6 +17,10 @@ class StoreError(TransferError):
     """The store could not be used (unreachable, failed I/O); the message names the store."""
 
 
+# begins the error of a fetch that found objects missing or not matching: the store itself worked
+MISS = "L3 miss"
+
+
 class BlockStore(ABC):
     url: str
 

@@ -86,6 +86,8 @@ class FileStore(BlockStore):
             except OSError as exc:
                 raise StoreError(f"store {self.url}: reading {path} failed: {exc}") from None
             hits[i] = whole and keys.matches(h, header, row)
+            if not hits[i]:         # foreign or corrupt: removed, so that lookups stop counting it
+                _unlink(path)
         return hits
 
     def exists(self, keys, hashes):

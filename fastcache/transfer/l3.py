@@ -14,6 +14,7 @@ import numpy as np
 from ..config import CacheSpec
 from ..ipc import protocol
 from ..store import ObjectKeys, StoreError, fingerprint, open_store
+from ..store.base import MISS
 from .scheduler import Task
 
 
@@ -49,7 +50,7 @@ class StoreIO:
         else:
             hits = store.get(keys, task.hashes, task.cpu_ids)
             if not hits.all():
-                raise StoreError(f"store {self.url}: {int((~hits).sum())} of {len(hits)} objects missing "
+                raise StoreError(f"{MISS}: store {self.url}: {int((~hits).sum())} of {len(hits)} objects missing "
                                  f"or not matching their header (evicted, foreign or corrupt), e.g. hash "
                                  f"{int(task.hashes[~hits][0]):#018x}")
         return len(task.cpu_ids) * spec.cpu_block_bytes

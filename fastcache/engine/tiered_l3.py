@@ -1,0 +1,273 @@
+"""TieredCache's third tier: the backend's store (DESIGN §8, issue 10), mixed into TieredCache.
+
+- **Write-back** (default): an entry evicted from the CPU tier is put into the store, unless this cache
+  knows the store has it (it came from there, or was written there). The put is submitted before the
+  task that reuses the block, and the transfer manager orders tasks that share a CPU block, so the put
+  reads the old bytes. `write="through"` puts every stored block once its swap-out succeeded.
+- **Lookup** counts the leading hashes held by the CPU tier or the store (the store is asked only when
+  the CPU tier's run ends early); `lookup_tiers` says how many of them only the store has.
+- **Load** of a store hit takes fresh CPU blocks (evicting as a store does), fetches the objects into
+  them, and swaps every block in, under one handle; the fetched entries join the CPU tier. A fetch that
+  fails fails the handle (the GPU blocks are then undefined, as after any failed load) and drops them.
+- **The store failing never stops the CPU tier**: an error (other than a miss) counts in `l3_errors`
+  and sets the store aside for L3_BACKOFF seconds, during which lookups, write-back and write-through
+  skip it. Everything submitted to the store is best effort; only a load depends on it.
+
+The cache's lock is never held while calling the backend, and completion callbacks never call it: the
+write-through puts are submitted by a thread of this cache, fed by the swap-outs' callbacks.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+
+from ..errors import TransferError
+from ..ipc import protocol
+from ..store.base import MISS
+from .combined import CombinedHandle
+
+log = logging.getLogger("fastcache.engine")
+
+L3_BACKOFF = 10.0            # seconds the store is set aside after an error
+WRITE_MODES = ("back", "through")
+BLOCK, QUOTA, PINS, STATE = range(4)        # TieredCache's entry layout
+STORING, READY, DONE = range(3)
+
+
+class L3Tier:
+    """Mixed into TieredCache (which provides the index, the lock and the counters)."""
+
+    def _init_l3(self, write: str):
+        if write not in WRITE_MODES:
+            raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
+        self.write = write
+        self._l3 = self.backend.store_url is not None
+        self._l3_victims = []               # (hash, block) evicted under the lock, written back by the caller
+        self._l3_known = set()              # hashes of _l3_known_ns that the store has, as far as we know
+        self._l3_known_ns = self._namespace
+        self._l3_down_until = 0.0
+        self._l3_writer = None              # the write-through thread, started on first use
+        self._l3_jobs = queue.SimpleQueue()
+
+    def _l2_holds(self, keys) -> bool:
+        with self._lock:
+            return self._visible.issuperset(keys)
+
+    # -- under the lock ----------------------------------------------------------------------------
+    def _l3_usable(self) -> bool:
+        return self._l3 and time.monotonic() >= self._l3_down_until
+
+    def _known(self) -> set:
+        if self._l3_known_ns != self._namespace:        # new weights: nothing known about the store
+            self._l3_known, self._l3_known_ns = set(), self._namespace
+        return self._l3_known
+
+    def _note_evicted(self, victims, entries):
+        """Called by _take_blocks: remember what to write back (the caller submits it)."""
+        known = self._known()
+        usable = self._l3_usable()
+        for key, entry in zip(victims, entries):
+            if key in known:
+                known.discard(key)
+            elif usable:
+                self._l3_victims.append((key, entry[BLOCK]))
+
+    def _take_victims(self):
+        victims, self._l3_victims = self._l3_victims, []
+        return self._namespace, victims
+
+    # -- write-back and write-through ----------------------------------------------------------------
+    def _write_back(self, taken):
+        """Put the evicted blocks into the store. Must be submitted before any task that reuses them."""
+        namespace, victims = taken
+        if not victims:
+            return
+        keys = [key for key, _ in victims]
+        try:
+            handle = self.backend.cpu_to_store(namespace, keys, [block for _, block in victims])
+        except (TransferError, ValueError) as exc:
+            self._l3_failed(f"write-back: {exc}")
+            return
+        handle.add_done_callback(lambda h: self._l3_written(h, len(keys)))
+
+    def _write_through(self, handle, batch):
+        """Swap-out callback (runs before the entries become visible): pin them and queue their put."""
+        if self.write != "through" or batch is None or handle.error is not None:
+            return
+        new, _, entries, _ = batch
+        with self._lock:
+            if not self._l3_usable():
+                return
+            pinned = [(k, e) for k, e in zip(new, entries) if self._index.get(k) is e]
+            for _, entry in pinned:
+                entry[PINS] += 1            # not evicted (its block not reused) before the put has read it
+        if pinned:
+            self._l3_jobs.put((self._namespace, pinned))
+            self._start_writer()
+
+    def _start_writer(self):
+        with self._lock:
+            if self._l3_writer is None and not self._closed:
+                self._l3_writer = threading.Thread(target=self._writer, name="fastcache-l3-writer", daemon=True)
+                self._l3_writer.start()
+
+    def _writer(self):
+        while True:
+            job = self._l3_jobs.get()
+            if job is None:
+                return
+            namespace, pinned = job
+            keys = [k for k, _ in pinned]
+            try:
+                handle = self.backend.cpu_to_store(namespace, keys, [e[BLOCK] for _, e in pinned])
+            except (TransferError, ValueError) as exc:
+                self._l3_failed(f"write-through: {exc}")
+                self._unpin_all(pinned)
+                continue
+            handle.add_done_callback(lambda h, pinned=pinned, ns=namespace: self._written_through(h, pinned, ns))
+
+    def _written_through(self, handle, pinned, namespace):
+        self._l3_written(handle, len(pinned))
+        with self._lock:
+            if handle.error is None and namespace == self._namespace:
+                self._known().update(k for k, e in pinned if self._index.get(k) is e)
+        self._unpin_all(pinned)
+
+    def _unpin_all(self, pinned):
+        with self._lock:
+            for key, entry in pinned:
+                self._unpin(key, entry)
+
+    def _l3_written(self, handle, n):
+        if handle.error is not None:
+            self._l3_failed(handle.error)
+            return
+        with self._lock:
+            self._counts["l3_written_blocks"] += n
+            self._counts["l3_written_bytes"] += handle.nbytes
+
+    def _l3_failed(self, why: str):
+        with self._lock:
+            self._counts["l3_errors"] += 1
+            first = time.monotonic() >= self._l3_down_until
+            self._l3_down_until = time.monotonic() + L3_BACKOFF
+        if first:
+            log.warning("L3 store set aside for %.0f s (the CPU tier serves meanwhile): %s", L3_BACKOFF, why)
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def _l3_extend(self, keys, n, in_l2):
+        """The leading run of keys[n:] held by the CPU tier (in_l2) or the store: (run, of which store-only)."""
+        try:
+            in_l3 = self.backend.store_contains(self._namespace, keys[n:])
+        except (TransferError, ValueError) as exc:
+            self._l3_failed(f"lookup: {exc}")
+            return 0, 0
+        run = from_l3 = 0
+        for l2, l3 in zip(in_l2, in_l3.tolist()):
+            if not (l2 or l3):
+                break
+            run += 1
+            from_l3 += not l2
+        return run, from_l3
+
+    # -- load through the store ----------------------------------------------------------------------
+    def _load_l3(self, keys, gpu):
+        """load() when some hashes are not in the CPU tier: fetch them from the store first. Returns None
+        when the CPU tier turns out to hold them all (the caller then loads as usual)."""
+        with self._lock:
+            self._check_usable()
+            namespace = self._namespace
+            wanted = list(dict.fromkeys(k for k in keys if k not in self._visible))
+            usable = self._l3_usable()
+        if not usable:
+            raise ValueError(f"hash {wanted[0]:#x} is not held by the CPU tier, and the store is "
+                             f"{'set aside after an error' if self._l3 else 'not configured'}")
+        try:
+            present = self.backend.store_contains(namespace, wanted)
+        except (TransferError, ValueError) as exc:
+            self._l3_failed(f"load: {exc}")
+            raise TransferError(f"load: the store failed: {exc}") from None
+        if not present.all():
+            raise ValueError(f"hash {wanted[int(np.flatnonzero(~present)[0])]:#x} is held by neither the CPU tier "
+                             f"nor the store; lookup() says how many leading hashes can be loaded")
+        with self._lock:
+            self._check_usable()
+            if namespace != self._namespace:
+                raise TransferError("the namespace changed during the load")
+            fetch = [k for k in wanted if k not in self._visible]
+            if not fetch:                   # the CPU tier has them all by now
+                return None
+            busy = next((k for k in fetch if k in self._index), None)
+            if busy is not None:
+                raise ValueError(f"hash {busy:#x} is being stored or fetched right now; retry the load")
+            blocks = self._take_blocks(len(fetch), keys)
+            taken = self._take_victims()
+            full = len(blocks) < len(fetch)
+            if full:
+                self._free.extend(blocks)
+                self._counts["store_full"] += len(fetch)
+            else:
+                new = [[block, self._quota, 0, STORING] for block in blocks]
+                self._index.update(zip(fetch, new))
+                entries = [self._index[k] for k in keys]
+                for entry in entries:
+                    entry[PINS] += 1
+                self._touch(keys)
+                drops = self._drops
+        self._write_back(taken)             # before the fetch that reuses the evicted blocks
+        if full:
+            raise TransferError(f"load: no CPU block free for {len(fetch)} store hits: the CPU tier's "
+                                f"{self.capacity} blocks hold this load's other hashes or are in use by transfers")
+        batch = (keys, entries, fetch, new, drops)
+        try:
+            fetched = self.backend.store_to_cpu(namespace, fetch, [e[BLOCK] for e in new])
+        except BaseException:
+            self._l3_undo(batch)
+            raise
+        try:
+            swap = self.backend.swap_in(gpu, [e[BLOCK] for e in entries])
+        except BaseException:
+            fetched.add_done_callback(lambda _: self._l3_undo(batch))     # not before the fetch is over
+            raise
+        handle = CombinedHandle([fetched, swap], protocol.SWAP_TO_GPU, swap.nbytes)
+        handle.add_done_callback(lambda h: self._l3_loaded(h, fetched, batch))
+        return handle
+
+    def _l3_loaded(self, handle, fetched, batch):
+        keys, entries, fetch, new, drops = batch
+        ok = handle.error is None
+        with self._lock:
+            for key, entry in zip(fetch, new):
+                if ok and self._index.get(key) is entry:
+                    entry[STATE] = READY
+                    self._visible.add(key)
+                    if self._l3_known_ns == self._namespace:
+                        self._l3_known.add(key)
+                else:
+                    entry[STATE] = DONE
+            if ok:
+                self._counts["l3_loaded_blocks"] += len(fetch)
+                self._counts["l3_loaded_bytes"] += fetched.nbytes
+        if fetched.error is not None and not fetched.error.count(MISS):
+            self._l3_failed(fetched.error)
+        self._loaded(handle, (keys, entries, drops))
+
+    def _l3_undo(self, batch):
+        """A load that could not be submitted: drop the fetched entries, unpin everything."""
+        keys, entries, fetch, new, _ = batch
+        with self._lock:
+            for key, entry in zip(fetch, new):
+                entry[STATE] = DONE
+                self._drop(key, entry)
+            for key, entry in zip(keys, entries):
+                self._unpin(key, entry)
+
+    def _stop_l3(self):
+        writer, self._l3_writer = self._l3_writer, None
+        if writer is not None:
+            self._l3_jobs.put(None)
+            writer.join(timeout=10)
