@@ -172,3 +172,34 @@ def test_master_killed_fails_l3_by_name_then_a_restarted_master_is_used_again():
         backend.store_to_cpu("m", [7, 8, 9, 10], cpu).result(timeout=60)
         for r in range(2):
             np.testing.assert_array_equal(backend.cpu_tier(r)[cpu], want[r])
+
+
+# -- TieredCache over Mooncake ---------------------------------------------------------------------------
+def test_tiered_cache_writes_back_and_loads_through_mooncake(service):
+    from test_tiered_l3 import write_back_then_load
+    write_back_then_load(service.url)
+
+
+def test_tiered_cache_keeps_serving_from_the_cpu_tier_with_the_master_dead():
+    from fastcache import TieredCache
+    from test_tiered_l3 import check, fill, poison
+    rng = np.random.default_rng(30)
+    with MooncakeService(segment_mb=64) as svc, deployment(SPEC, tp=2, store=svc.url) as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4)
+        want = fill(workers, list(range(8)), rng)
+        cache.store([1, 2, 3, 4], [0, 1, 2, 3]).result(timeout=30)
+        svc.kill_master()
+        start = time.monotonic()
+        cache.store([5, 6], [4, 5]).result(timeout=60)         # evicts 3, 4: their write-back fails
+        cache.store([7, 8], [6, 7]).result(timeout=60)
+        assert time.monotonic() - start < 20
+        wait_for_errors = time.monotonic() + 30
+        while cache.stats()["l3_errors"] == 0:
+            assert time.monotonic() < wait_for_errors, "the dead master was never noticed"
+            time.sleep(0.05)
+        assert cache.lookup_tiers([5, 6, 7, 8]) == (4, 0)
+        assert cache.lookup_tiers([1, 2]) == (0, 0)             # the store is set aside, not asked
+        poison(workers, [10, 11, 12, 13], rng)
+        cache.load([5, 6, 7, 8], [10, 11, 12, 13]).result(timeout=30)
+        check(workers, [10, 11, 12, 13], [w[4:] for w in want])
+        cache.close()

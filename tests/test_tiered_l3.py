@@ -1,0 +1,201 @@
+"""TieredCache over an L3 store (DESIGN §8, issue 10), on the local-directory store: write-back and
+write-through, lookups and loads through the store, fail-closed fetches, a store outage, and a clear.
+test_store_mooncake.py runs the main path against Mooncake."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import all_tensors, cpu_image, deployment, round_trip, small_spec, wait_for
+from fastcache import TieredCache, TransferError
+from fastcache.engine.combined import CombinedHandle
+from fastcache.store import fingerprint
+from fastcache.store.keys import HEADER_BYTES, ObjectKeys
+from test_store import _object_path
+
+SPEC = small_spec(num_gpu_blocks=24, num_cpu_blocks=16)
+
+
+def fill(workers, gpu, rng):
+    """Fresh random bytes in these GPU blocks of every rank; returns each rank's CPU-block images."""
+    for w in workers:
+        for rows in all_tensors(w):
+            rows[gpu] = rng.integers(1, 256, rows[gpu].shape, dtype=np.uint8)
+    return [cpu_image(w, gpu) for w in workers]
+
+
+def poison(workers, gpu, rng):
+    for w in workers:
+        for rows in all_tensors(w):
+            rows[gpu] = rng.integers(1, 256, rows[gpu].shape, dtype=np.uint8)
+
+
+def check(workers, gpu, want):
+    for r, w in enumerate(workers):
+        np.testing.assert_array_equal(cpu_image(w, gpu), want[r])
+
+
+def write_back_then_load(url, tp=2):
+    """Shared with the Mooncake tests: evictions go to the store, store hits come back, every byte checked."""
+    rng = np.random.default_rng(3)
+    with deployment(SPEC, tp=tp, store=url) as (backend, workers):
+        cache = TieredCache(backend, "m/0", capacity=4)
+        hashes, gpu = [int(h) for h in rng.integers(0, 2**63, 8)], list(range(8))
+        want = fill(workers, gpu, rng)
+        for i in range(0, 8, 2):                # each pair evicts the oldest pair once the 4 blocks are full
+            cache.store(hashes[i:i + 2], gpu[i:i + 2]).result(timeout=30)
+        assert backend.store_contains("m/0", hashes).tolist() == [True] * 4 + [False] * 4
+        assert cache.lookup_tiers(hashes) == (8, 4)
+        assert cache.lookup(hashes[4:]) == 4
+        dst = list(range(10, 14))
+        poison(workers, dst, rng)
+        handle = cache.load(hashes[:4], dst)        # all four from the store, evicting the other four
+        assert isinstance(handle, CombinedHandle)
+        handle.result(timeout=30)
+        check(workers, dst, [w[:4] for w in want])
+        assert cache.lookup_tiers(hashes[:4]) == (4, 0)      # they came up through the CPU tier
+        assert cache.lookup_tiers(hashes) == (8, 4)          # and the others went down
+        dst = list(range(14, 22))
+        poison(workers, dst, rng)
+        cache.load(hashes[:2] + hashes[4:6], dst[:4]).result(timeout=30)     # a mix of both tiers
+        check(workers, dst[:4], [np.concatenate([w[:2], w[4:6]]) for w in want])
+        stats = cache.stats()
+        assert stats["l3_hits"] == 4 + 4 and stats["l3_loaded_blocks"] == 4 + 2
+        assert stats["l3_written_blocks"] == 4 + 4 and stats["l3_errors"] == 0
+        assert stats["l3_loaded_bytes"] == 6 * SPEC.cpu_block_bytes * tp
+        tasks = backend.counters.snapshot()["tasks"]
+        assert tasks["to_store", "done"] >= 3 and tasks["from_store", "done"] == 2
+        cache.close()
+
+
+def test_write_back_then_load_through_the_store(tmp_path):
+    write_back_then_load(f"file://{tmp_path}/l3")
+
+
+def test_write_back_skips_what_the_store_has(tmp_path):
+    rng = np.random.default_rng(4)
+    with deployment(SPEC, tp=1, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=2)
+        fill(workers, [0, 1, 2, 3], rng)
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        cache.store([3, 4], [2, 3]).result(timeout=30)          # 1, 2 written back
+        assert cache.stats()["l3_written_blocks"] == 2
+        cache.load([1, 2], [5, 6]).result(timeout=30)           # back up; 3, 4 written back
+        assert cache.stats()["l3_written_blocks"] == 4
+        cache.load([3, 4], [7, 8]).result(timeout=30)           # 1, 2 evicted again: the store has them
+        assert cache.stats()["l3_written_blocks"] == 4
+        assert cache.stats()["evicted"] == 6
+
+
+def test_write_through_puts_every_stored_block(tmp_path):
+    rng = np.random.default_rng(5)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=8, write="through")
+        want = fill(workers, [0, 1, 2], rng)
+        cache.store([7, 8, 9], [0, 1, 2]).result(timeout=30)
+        wait_for(lambda: backend.store_contains("m", [7, 8, 9]).all(), 30, "the write-through puts")
+        wait_for(lambda: cache.stats()["l3_written_blocks"] == 3, 30, "the write-through count")
+        cache.close()
+        # another cache of the same backend and namespace finds them in the store only
+        other = TieredCache(backend, "m", capacity=8)
+        assert other.lookup_tiers([7, 8, 9]) == (3, 3)
+        poison(workers, [3, 4, 5], rng)
+        other.load([7, 8, 9], [3, 4, 5]).result(timeout=30)
+        check(workers, [3, 4, 5], want)
+        other.close()
+    with pytest.raises(ValueError, match="write must be one of"):
+        TieredCache(backend, "x", write="around")
+
+
+def test_a_corrupt_object_fails_the_load_closed_and_becomes_a_miss(tmp_path):
+    rng = np.random.default_rng(6)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=2)
+        fill(workers, [0, 1, 2, 3], rng)
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        cache.store([3, 4], [2, 3]).result(timeout=30)
+        assert cache.lookup_tiers([1, 2]) == (2, 2)
+        path = _object_path(tmp_path, ObjectKeys("m", fingerprint(SPEC, 2), 1), 2)
+        data = bytearray(open(path, "rb").read())
+        data[HEADER_BYTES + 5] ^= 1
+        open(path, "wb").write(data)
+        with pytest.raises(TransferError, match="rank 1: StoreError: L3 miss: .*1 of 2 objects"):
+            cache.load([1, 2], [5, 6]).result(timeout=30)
+        stats = cache.stats()
+        assert stats["failed_loads"] == 1 and stats["l3_errors"] == 0      # a miss: the store is fine
+        assert cache.lookup_tiers([1, 2]) == (1, 1)          # the corrupt object is gone, its neighbour not
+        assert not os.path.exists(path)
+        # nothing of the failed load is served: neither hash entered the CPU tier, and the two entries it
+        # evicted to make room went down to the store
+        assert cache.stats()["entries"] == 0 and cache.lookup_tiers([1, 3, 4]) == (3, 3)
+
+
+def test_load_of_a_hash_neither_tier_holds_raises_before_anything_moves(tmp_path):
+    with deployment(SPEC, tp=1, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4)
+        fill(workers, [0], np.random.default_rng(0))
+        cache.store([1], [0]).result(timeout=30)
+        before = backend.counters.snapshot()["tasks"]
+        with pytest.raises(ValueError, match="held by neither the CPU tier nor the store"):
+            cache.load([1, 99], [3, 4])
+        assert backend.counters.snapshot()["tasks"] == before
+        assert cache.lookup([1]) == 1       # its entry was not disturbed
+
+
+def test_a_failing_store_never_stops_the_cpu_tier(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    rng = np.random.default_rng(7)
+    with deployment(SPEC, tp=1, store=f"file://{blocker}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=2)
+        want = fill(workers, [0, 1, 2, 3], rng)
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        cache.store([3, 4], [2, 3]).result(timeout=30)     # evicts 1, 2: their write-back fails
+        wait_for(lambda: cache.stats()["l3_errors"] >= 1, 30, "the failed write-back")
+        assert cache.lookup_tiers([3, 4]) == (2, 0)
+        assert cache.lookup_tiers([1, 2]) == (0, 0)          # the store is set aside: not even asked
+        poison(workers, [5, 6], rng)
+        cache.load([3, 4], [5, 6]).result(timeout=30)
+        check(workers, [5, 6], [w[2:] for w in want])
+        round_trip(backend, workers, rng, n=2)
+        with pytest.raises(ValueError, match="set aside after an error"):
+            cache.load([1], [7])
+
+
+def test_after_a_clear_the_new_namespace_misses_the_old_objects(tmp_path):
+    rng = np.random.default_rng(8)
+    with deployment(SPEC, tp=1, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "llama/step-0", capacity=4, write="through")
+        fill(workers, [0, 1], rng)
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        wait_for(lambda: backend.store_contains("llama/step-0", [1, 2]).all(), 30, "the puts")
+        backend.clear_caches(timeout=60)
+        with pytest.raises(TransferError, match="cleared"):
+            cache.lookup([1, 2])
+        backend.restore_caches(timeout=60)
+        cache.namespace = "llama/step-1"
+        assert cache.lookup_tiers([1, 2]) == (0, 0)
+        with pytest.raises(ValueError):
+            cache.namespace = "llama/step-0"            # never again
+
+
+def test_two_deployments_share_prefixes_through_the_store(tmp_path):
+    url, rng = f"file://{tmp_path}/l3", np.random.default_rng(9)
+    hashes = [int(h) for h in rng.integers(0, 2**63, 5)]
+    with deployment(SPEC, tp=2, store=url) as (backend, workers):
+        cache = TieredCache(backend, "shared", capacity=8, write="through")
+        want = fill(workers, list(range(5)), rng)
+        cache.store(hashes, list(range(5))).result(timeout=30)
+        wait_for(lambda: backend.store_contains("shared", hashes).all(), 30, "the puts")
+        cache.close()
+    with deployment(SPEC, tp=2, store=url) as (backend, workers):
+        cache = TieredCache(backend, "shared", capacity=8)
+        assert cache.lookup_tiers(hashes) == (5, 5)
+        assert cache.lookup_tiers(hashes[:2] + [12345] + hashes[2:]) == (2, 2)
+        poison(workers, list(range(10, 15)), rng)
+        cache.load(hashes, list(range(10, 15))).result(timeout=30)
+        check(workers, list(range(10, 15)), want)
+        cache.close()
+        assert TieredCache(backend, "shared-other", capacity=4).lookup(hashes) == 0
