@@ -7,6 +7,11 @@ recently used are stored to the CPU tier first); lookup and load of the CPU tier
 the rest (bytes derived from each block's hash written into its GPU block); store of the request's
 chain. Every loaded block, and every GPU hit, is compared with the bytes its hash implies, on every rank.
 
+With --store, an L3 store sits below the CPU tier (TieredCache writes back what it evicts, and loads
+store hits through the CPU tier): `mooncake` starts a local Mooncake master and memory server for the
+run (sized to hold every distinct block), `file` a temporary directory; a mooncake:// or file:/// URL
+uses that store (under a namespace of this run's own).
+
 The report gives the hit rate per tier next to the in-process model of the same capacities (they must be
 equal), the infinite-cache limit, blocks and bytes moved, and the wall time; --json writes it, --plot
 draws the hit rate over the trace and against the CPU tier's capacity. Exit status 0 only if the hit
@@ -15,9 +20,11 @@ rates equal the model's and no block failed its check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 
@@ -44,6 +51,10 @@ def build_parser():
     p.add_argument("--gpu-blocks", type=int, default=1000, help="the engine's GPU prefix cache, blocks")
     p.add_argument("--cpu-blocks", type=int, default=16000, help="the CPU tier (TieredCache), blocks")
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--store", help="an L3 store below the CPU tier: mooncake (a local one for the run), file "
+                                   "(a temporary directory), mooncake://HOST:PORT or file:///DIR")
+    p.add_argument("--store-mb", type=int, help="memory of the local Mooncake store (default: every distinct "
+                                                "block fits)")
     p.add_argument("--device", default="sim", choices=("sim", "cuda", "auto"))
     g = p.add_argument_group("geometry per rank (small per token, so the whole trace runs on a laptop)")
     g.add_argument("--num-layers", type=int, default=2)
@@ -89,7 +100,7 @@ class Engine:
         if victims:                         # their bytes go to the CPU tier before the blocks are reused
             cache.store([key for key, _ in reversed(victims)], [b for _, b in reversed(victims)]).result(60)
         t0 = time.perf_counter()
-        m = cache.lookup(h[k:])
+        m, from_l3 = cache.lookup_tiers(h[k:])
         self.lookup_seconds += time.perf_counter() - t0
         if m:
             cache.load(h[k:k + m], blocks[:m]).result(60)
@@ -104,7 +115,7 @@ class Engine:
         for key, block in zip(reversed(h), reversed(hit_blocks + blocks)):
             gpu[key] = block
             gpu.move_to_end(key)
-        self.hits.add(k, m, len(h))
+        self.hits.add(k, m - from_l3, len(h), from_l3)
 
     def _take(self, n):
         blocks = [self.free.pop() for _ in range(min(n, len(self.free)))]
@@ -127,7 +138,7 @@ def replay(args, trace, spec, settings, report):
     from ..launch import start_workers, stop_workers, wait_until_ready
     from .. import metrics
 
-    backend = SwapBackend(spec, tp_size=args.tp, device=args.device, settings=settings)
+    backend = SwapBackend(spec, tp_size=args.tp, device=args.device, settings=settings, store=args.store_url)
     report["suffix"] = backend.suffix
     workers, views, server = [], [], None
     with backend:
@@ -137,7 +148,8 @@ def replay(args, trace, spec, settings, report):
             ops = get_ops(backend.device)
             views = [ops.attach(read_manifest(backend.suffix, r), spec.tensors(r, backend.device_ids[r]),
                                 backend.suffix) for r in range(args.tp)]
-            cache = TieredCache(backend, namespace=f"trace/{os.path.basename(args.trace)}")
+            # a namespace of this run's own: a store that outlives runs must not answer from an earlier one
+            cache = TieredCache(backend, namespace=f"trace/{os.path.basename(args.trace)}/{backend.suffix}")
             if args.metrics_port is not None:
                 server = metrics.serve(args.metrics_port, backend=backend, caches=[cache])
                 print(f"  metrics on {server.url}", flush=True)
@@ -163,6 +175,30 @@ def replay(args, trace, spec, settings, report):
             stop_workers(workers)
 
 
+@contextlib.contextmanager
+def store_for_run(args, report, spec):
+    """Start the store --store asks for (a local Mooncake, a temporary directory), or use the URL given;
+    sets args.store_url for the replay."""
+    args.store_url = None
+    if not args.store:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if args.store == "mooncake":
+            from ..store.service import MooncakeService
+            need = report["distinct_blocks"] * (spec.cpu_block_bytes + 64) * args.tp
+            mb = args.store_mb or int(need * 1.3 / 2**20) + 64      # Mooncake evicts above 90% full
+            args.store_url = stack.enter_context(MooncakeService(segment_mb=mb)).url
+            report["store_mb"] = mb
+        elif args.store == "file":
+            args.store_url = "file://" + stack.enter_context(tempfile.TemporaryDirectory(prefix="fastcache-trace-"))
+        else:
+            args.store_url = args.store
+        report["store"] = args.store_url
+        print(f"  store {args.store_url}", flush=True)
+        yield
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
@@ -173,6 +209,9 @@ def main(argv=None) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if args.requests is not None and args.requests < 1:
             raise ValueError("--requests must be >= 1")
+        if args.store not in (None, "mooncake", "file"):
+            from ..store import parse_store_url
+            parse_store_url(args.store)
         trace = load_trace(args.trace, args.requests)
         longest = max(map(len, trace.requests))
         if longest > args.gpu_blocks:
@@ -194,17 +233,18 @@ def main(argv=None) -> int:
           f"blocks, CPU tier {args.cpu_blocks} blocks of {spec.cpu_block_bytes // 1024} KiB per rank, "
           f"tp={args.tp} on {args.device}", flush=True)
     t0 = time.perf_counter()
-    model = simulate(trace.requests, args.gpu_blocks, args.cpu_blocks)
+    model = simulate(trace.requests, args.gpu_blocks, args.cpu_blocks, l3=bool(args.store))
     report["model_seconds"] = time.perf_counter() - t0
     limit = infinite(trace.requests)
     try:
-        engine = replay(args, trace, spec, settings, report)
+        with store_for_run(args, report, spec):
+            engine = replay(args, trace, spec, settings, report)
     except ValueError as exc:           # the deployment refused the geometry (e.g. too big for memory)
         print(f"fastcache.tools.trace: {exc}", file=sys.stderr)
         return 2
     report["replay"], report["model"] = engine.hits.rates(), model.rates()
     report["infinite_hit_rate"] = limit.rates()["hit_rate"]
-    report["equal_to_model"] = engine.hits.gpu == model.gpu and engine.hits.cpu == model.cpu
+    report["equal_to_model"] = (engine.hits.gpu, engine.hits.cpu, engine.hits.l3) == (model.gpu, model.cpu, model.l3)
     report["verified_blocks"], report["verification_failures"] = engine.verified, engine.failures
     report["first_failures"] = [{"request": r, "hash": h, "rank": k} for r, h, k in engine.failed]
     report["gpu_evictions"] = engine.gpu_evictions
@@ -227,13 +267,18 @@ def main(argv=None) -> int:
 def print_report(r):
     rep, mod = r["replay"], r["model"]
     tier = r["tier"]
+    l3 = (lambda x: f", store {x['l3_hit_rate']:.2%}") if r.get("store") else (lambda x: "")
     print("\nfastcache trace report")
     print(f"  trace           {r['trace']}: {r['requests']} requests, {r['blocks']} blocks "
           f"({r['distinct_blocks']} distinct)")
-    print(f"  hit rate        GPU {rep['gpu_hit_rate']:.2%}, CPU tier {rep['cpu_hit_rate']:.2%}, "
+    print(f"  hit rate        GPU {rep['gpu_hit_rate']:.2%}, CPU tier {rep['cpu_hit_rate']:.2%}{l3(rep)}, "
           f"total {rep['hit_rate']:.2%} (infinite cache: {r['infinite_hit_rate']:.2%})")
-    print(f"  LRU model       GPU {mod['gpu_hit_rate']:.2%}, CPU tier {mod['cpu_hit_rate']:.2%}, "
+    print(f"  LRU model       GPU {mod['gpu_hit_rate']:.2%}, CPU tier {mod['cpu_hit_rate']:.2%}{l3(mod)}, "
           f"total {mod['hit_rate']:.2%}: {'equal' if r['equal_to_model'] else 'DIFFERENT'}")
+    if r.get("store"):
+        print(f"  store           {r['store']}: {tier['l3_written_blocks']} blocks written back "
+              f"({tier['l3_written_bytes'] / 2**30:.2f} GiB), {tier['l3_loaded_blocks']} fetched "
+              f"({tier['l3_loaded_bytes'] / 2**30:.2f} GiB), {tier['l3_errors']} errors")
     print(f"  moved           {tier['loaded_blocks']} blocks loaded ({tier['loaded_bytes'] / 2**30:.2f} GiB), "
           f"{tier['stored_blocks']} stored ({tier['stored_bytes'] / 2**30:.2f} GiB), {tier['evicted']} evicted "
           f"from the CPU tier, {r['gpu_evictions']} from the GPU")

@@ -12,6 +12,9 @@ Per request, with hashes h (a prefix chain) of n blocks:
   3. m = leading hashes of h[k:] held by L2, which are loaded;
   4. the rest is computed; the whole chain h is stored to L2 (held hashes skipped) and becomes the GPU's
      most recently used, head last.
+With a store below L2 (l3=True: an L3 that never evicts, filled by L2's evictions, as TieredCache's
+write-back does), step 3 counts the leading hashes held by L2 or L3, and loading them stores the L3
+ones into L2 under the same rules (evicting, and so writing back, L2's least recently used).
 """
 from __future__ import annotations
 
@@ -67,17 +70,20 @@ class Hits:
     gpu: list = field(default_factory=list)
     cpu: list = field(default_factory=list)
     blocks: list = field(default_factory=list)
+    l3: list = field(default_factory=list)     # hits only the store (L3) held
 
-    def add(self, gpu, cpu, blocks):
+    def add(self, gpu, cpu, blocks, l3=0):
         self.gpu.append(gpu)
         self.cpu.append(cpu)
         self.blocks.append(blocks)
+        self.l3.append(l3)
 
     def rates(self) -> dict:
         total = sum(self.blocks)
-        g, c = sum(self.gpu), sum(self.cpu)
-        return {"gpu_hits": g, "cpu_hits": c, "misses": total - g - c, "blocks": total,
-                "gpu_hit_rate": g / total, "cpu_hit_rate": c / total, "hit_rate": (g + c) / total}
+        g, c, s = sum(self.gpu), sum(self.cpu), sum(self.l3)
+        return {"gpu_hits": g, "cpu_hits": c, "l3_hits": s, "misses": total - g - c - s, "blocks": total,
+                "gpu_hit_rate": g / total, "cpu_hit_rate": c / total, "l3_hit_rate": s / total,
+                "hit_rate": (g + c + s) / total}
 
 
 def leading(keys, held) -> int:
@@ -112,7 +118,10 @@ class _Lru:
             room += len(victims)
             dropped = set(new[room:])
             keys = [k for k in keys if k not in dropped]
+            self.refresh(keys)
+            return victims
         self.refresh(keys)
+        return []
 
     def refresh(self, keys):
         for k in reversed(keys):
@@ -120,9 +129,10 @@ class _Lru:
             self.entries.move_to_end(k)
 
 
-def simulate(requests, gpu_blocks: int, cpu_blocks: int) -> Hits:
-    """The two tiers of the replay, on keys only."""
+def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False) -> Hits:
+    """The tiers of the replay, on keys only."""
     gpu, l2, hits = OrderedDict(), _Lru(cpu_blocks), Hits()
+    below = set()                              # L3: what L2 evicted (used when l3)
     for h in requests:
         k = leading(h, gpu)
         for key in reversed(h[:k]):
@@ -132,15 +142,31 @@ def simulate(requests, gpu_blocks: int, cpu_blocks: int) -> Hits:
         over = len(gpu) + len(h) - k - gpu_blocks
         victims = [gpu.popitem(last=False)[0] for _ in range(max(0, over))]
         if victims:
-            l2.store(victims[::-1])            # the most recently used victim first
-        m = leading(h[k:], l2.entries)
-        l2.refresh(h[k:k + m])
-        l2.store(h)
+            below.update(l2.store(victims[::-1]))     # the most recently used victim first
+        s = 0
+        if l3:
+            m = leading(h[k:], _Either(l2.entries, below))
+            s = sum(key not in l2.entries for key in h[k:k + m])
+            below.update(l2.store(h[k:k + m]))        # L3 hits come up through L2
+        else:
+            m = leading(h[k:], l2.entries)
+            l2.refresh(h[k:k + m])
+        below.update(l2.store(h))
         for key in reversed(h):
             gpu[key] = True
             gpu.move_to_end(key)
-        hits.add(k, m, len(h))
+        hits.add(k, m - s, len(h), s)
     return hits
+
+
+class _Either:
+    """Membership in either of two containers."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __contains__(self, key):
+        return key in self.a or key in self.b
 
 
 def infinite(requests) -> Hits:

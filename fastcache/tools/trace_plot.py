@@ -21,14 +21,20 @@ def plot(path, trace, replay, model, limit, sweep, args):
     fig, (over, against) = plt.subplots(1, 2, figsize=(13, 4.8), constrained_layout=True)
     minutes = trace.timestamps / 60e3
     window = min(WINDOW, len(trace.requests))
-    gpu, cpu, blocks = (np.asarray(x) for x in (replay.gpu, replay.cpu, replay.blocks))
-    over.stackplot(minutes, _moving(gpu, blocks, window), _moving(cpu, blocks, window),
-                   labels=["GPU hits (replay)", "CPU-tier hits (replay)"], colors=["#4c72b0", "#55a868"], alpha=0.8)
-    over.plot(minutes, _moving(np.add(model.gpu, model.cpu), blocks, window), color="black", lw=1, ls="--",
-              label="LRU model, both tiers")
+    gpu, cpu, l3, blocks = (np.asarray(x) for x in (replay.gpu, replay.cpu, replay.l3, replay.blocks))
+    stacks = [_moving(gpu, blocks, window), _moving(cpu, blocks, window)]
+    labels, colors = ["GPU hits (replay)", "CPU-tier hits (replay)"], ["#4c72b0", "#55a868"]
+    if getattr(args, "store", None):            # the store below the CPU tier (L3)
+        stacks.append(_moving(l3, blocks, window))
+        labels.append("store (L3) hits (replay)")
+        colors.append("#dd8452")
+    over.stackplot(minutes, *stacks, labels=labels, colors=colors, alpha=0.8)
+    over.plot(minutes, _moving(np.add(np.add(model.gpu, model.cpu), model.l3), blocks, window), color="black",
+              lw=1, ls="--", label="model, every tier")
     over.plot(minutes, _moving(limit.cpu, blocks, window), color="#c44e52", lw=1, label="infinite cache")
+    store = ", store below" if getattr(args, "store", None) else ""
     over.set(xlabel="trace time (minutes)", ylabel=f"hit rate (last {window} requests)", ylim=(0, 0.6),
-             title=f"hit rate over the trace: GPU {args.gpu_blocks} blocks, CPU tier {args.cpu_blocks}")
+             title=f"hit rate over the trace: GPU {args.gpu_blocks} blocks, CPU tier {args.cpu_blocks}{store}")
     over.legend(loc="upper left", fontsize=8)
 
     capacities = sorted(sweep)
