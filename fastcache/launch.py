@@ -12,6 +12,7 @@ nothing is left in /dev/shm.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +27,8 @@ from .ipc.naming import PREFIX
 from .ipc.shm import SHM_DIR
 from .ops import get_ops, resolve_device
 from .ops.frameworks import FRAMEWORKS
+from .store import StoreError, parse_store_url
+from .store.service import store_for_run
 from .tools.hashbytes import HashBytes, mismatched, write_blocks
 from .transfer.manager import read_manifest
 
@@ -44,6 +47,9 @@ def build_parser():
                    help="auto = cuda when a GPU is usable, else sim (shared memory)")
     g.add_argument("--framework", default=None, choices=FRAMEWORKS,
                    help="framework the workers allocate with (default: numpy on sim, torch on cuda)")
+    g.add_argument("--store", default=None,
+                   help="an L3 store below the CPU tier: mooncake (a local master and memory server for the run), "
+                        "file (a temporary directory), or a mooncake://HOST:PORT or file:///DIR URL")
     g = p.add_argument_group("cache geometry (per rank)")
     g.add_argument("--num-layers", type=int, default=8)
     g.add_argument("--num-gpu-blocks", type=int, default=512)
@@ -241,7 +247,9 @@ def prefix_reuse(backend, verifier, checks, args, rng, report):
     data = HashBytes(spec, seed=args.seed)
     longest = min(spec.num_gpu_blocks, 64)
     prompts = conversations(rng, args.prefix_requests, longest)
-    with TieredCache(backend, namespace="launch/step-0", capacity=max(1, spec.num_cpu_blocks // 2)) as cache:
+    # a namespace of this run's own: a store that outlives runs must not answer from an earlier one
+    with TieredCache(backend, namespace=f"launch/{backend.suffix}/step-0",
+                     capacity=max(1, spec.num_cpu_blocks // 2)) as cache:
         bad = blocks = 0
         for h in prompts:
             gpu = rng.permutation(spec.num_gpu_blocks)[:len(h)]
@@ -256,6 +264,12 @@ def prefix_reuse(backend, verifier, checks, args, rng, report):
         stats = cache.stats()
     checks.check(bad == 0, f"prefix reuse: every loaded block holds its hash's bytes ({bad} differ)")
     checks.check(stats["loaded_blocks"] > 0, "prefix reuse served blocks from the CPU tier")
+    if backend.store_url is not None:
+        checks.check(stats["l3_loaded_blocks"] > 0 and stats["l3_errors"] == 0,
+                     f"prefix reuse served blocks from the store ({stats['l3_loaded_blocks']} fetched, "
+                     f"{stats['l3_errors']} store errors)")
+        report.update(prefix_l3_hits=stats["l3_hits"], prefix_l3_loaded=stats["l3_loaded_blocks"],
+                      prefix_l3_written=stats["l3_written_blocks"])
     report.update(prefix_requests=len(prompts), prefix_blocks=blocks, prefix_hits=stats["hits"],
                   prefix_hit_rate=stats["hits"] / blocks, prefix_loaded=stats["loaded_blocks"],
                   prefix_stored=stats["stored_blocks"], prefix_evicted=stats["evicted"],
@@ -304,6 +318,31 @@ def measure(backend, verifier, checks, args, rng, report):
     for kind, (nb, secs) in best.items():
         report[f"swap_{kind}_gbps"] = nb / secs / 1e9
         report[f"swap_{kind}_vs_memcpy"] = nb / secs / 1e9 / memcpy
+
+
+def store_round(backend, checks, rng, report):
+    """Whole CPU blocks of random bytes into the store and back into other blocks, every byte compared."""
+    spec = backend.spec
+    n = max(1, min(64, spec.num_cpu_blocks // 4))
+    src, dst = backend.allocate_cpu_blocks(n), backend.allocate_cpu_blocks(n)
+    namespace = f"launch/{backend.suffix}/bulk"
+    hashes = [int(h) for h in rng.integers(0, 2**63, n)]
+    try:
+        want = []
+        for rank in range(backend.tp_size):
+            tier = backend.cpu_tier(rank)
+            tier[src] = rng.integers(1, 256, (n, spec.cpu_block_bytes), np.uint8)
+            tier[dst] = 0
+            want.append(tier[src].copy())
+        put = backend.cpu_to_store(namespace, hashes, src).result(timeout=120)
+        get = backend.store_to_cpu(namespace, hashes, dst).result(timeout=120)
+        checks.check(all(np.array_equal(backend.cpu_tier(r)[dst], want[r]) for r in range(backend.tp_size)),
+                     f"{n} CPU blocks went to the store and came back unchanged")
+        report.update(l3_bytes=put.nbytes, l3_put_gbps=put.nbytes / put.elapsed / 1e9,
+                      l3_get_gbps=get.nbytes / get.elapsed / 1e9)
+        backend.store_remove(namespace, hashes)
+    finally:
+        backend.free_cpu_blocks(src + dst)
 
 
 def cache_memory_in_use(backend, ops) -> int:
@@ -390,6 +429,12 @@ def print_report(report, checks):
               f"{report['prefix_hits']} hits ({report['prefix_hit_rate']:.1%}) loaded from the CPU tier and "
               f"verified, {report['prefix_stored']} computed and stored, {report['prefix_evicted']} evicted "
               f"(cache of {report['prefix_capacity']} CPU blocks)")
+    if "prefix_l3_hits" in report:
+        print(f"  store (L3)      {report['store']}: {report['prefix_l3_hits']} prefix hits only the store held, "
+              f"{report['prefix_l3_loaded']} blocks fetched and verified, {report['prefix_l3_written']} written back")
+    if "l3_put_gbps" in report:
+        print(f"  store bulk      put {report['l3_put_gbps']:.2f} GB/s, get {report['l3_get_gbps']:.2f} GB/s of "
+              f"{report['l3_bytes'] / 2**20:.0f} MiB (whole CPU blocks, every byte verified)")
     if "latency_p50_ms" in report:
         print(f"  one-block task  p50 {report['latency_p50_ms']:.3f} ms, p99 {report['latency_p99_ms']:.3f} ms "
               f"({report['one_block_bytes'] / 1024:.0f} KiB over all ranks)")
@@ -430,11 +475,22 @@ def main(argv=None) -> int:
               "cpu_block_kib": spec.cpu_block_bytes / 1024, "rl_cycles": args.rl_cycles}
     print(f"fastcache: starting tp={args.tp} on {device} ({framework} workers)", flush=True)
     workers = []
-    try:
-        backend = SwapBackend(spec, tp_size=args.tp, device=device, settings=settings)
-    except ValueError as exc:
-        print(f"fastcache.launch: {exc}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as stack:
+        try:
+            if args.store not in (None, "mooncake", "file"):
+                parse_store_url(args.store)
+            store = stack.enter_context(store_for_run(args.store))
+            if store:
+                report["store"] = store
+                print(f"  store {store}", flush=True)
+            backend = SwapBackend(spec, tp_size=args.tp, device=device, settings=settings, store=store)
+        except (ValueError, StoreError) as exc:
+            print(f"fastcache.launch: {exc}", file=sys.stderr)
+            return 2
+        return run(backend, args, spec, device, framework, rng, checks, report, workers)
+
+
+def run(backend, args, spec, device, framework, rng, checks, report, workers) -> int:
     with backend:
         suffix = backend.suffix
         try:
@@ -452,6 +508,8 @@ def main(argv=None) -> int:
                 prefix_reuse(backend, verifier, checks, args, rng, report)
             print("  latency and throughput ...", flush=True)
             measure(backend, verifier, checks, args, rng, report)
+            if backend.store_url is not None:
+                store_round(backend, checks, rng, report)
             if args.rl_cycles:
                 print(f"  {args.rl_cycles} clear/restore cycle(s) ...", flush=True)
                 rl_cycles(backend, verifier, checks, args, rng, report)

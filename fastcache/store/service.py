@@ -7,6 +7,7 @@ servers run beside the master. Both processes die with the process that started 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -133,3 +134,17 @@ class MooncakeService:
         if self.log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self.log_dir = None
+
+
+@contextlib.contextmanager
+def store_for_run(store: str | None, segment_mb: int = 256):
+    """The store URL a tool runs with: `mooncake` starts a local Mooncake (master and memory server of
+    segment_mb) for the run, `file` a temporary directory; a URL is used as given; None: no store."""
+    if store == "mooncake":
+        with MooncakeService(segment_mb=segment_mb) as service:
+            yield service.url
+    elif store == "file":
+        with tempfile.TemporaryDirectory(prefix="fastcache-l3-") as root:
+            yield f"file://{root}"
+    else:
+        yield store

@@ -43,7 +43,8 @@ def plot(path, trace, replay, model, limit, sweep, args):
     against.plot(capacities, [sweep[c]["cpu_hit_rate"] for c in capacities], "o-", color="#55a868",
                  label="LRU model, CPU-tier hits")
     rates = replay.rates()
-    against.plot([args.cpu_blocks], [rates["hit_rate"]], "*", ms=16, color="#4c72b0", label="this replay")
+    against.plot([args.cpu_blocks], [rates["hit_rate"]], "*", ms=16, color="#4c72b0",
+                 label="this replay" + (", with the store below" if getattr(args, "store", None) else ""))
     against.axhline(limit.rates()["hit_rate"], color="#c44e52", lw=1, label="infinite cache")
     against.set(xscale="log", xlabel="CPU tier capacity (blocks of 512 tokens)", ylabel="hit rate", ylim=(0, 0.5),
                 title=f"hit rate against capacity, {len(trace.requests)} requests")
