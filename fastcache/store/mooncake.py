@@ -35,7 +35,7 @@ SIZE_CODES = {-600, -800}
 # objects per Mooncake call: one failure costs one bounded call, and checksums of one part overlap the
 # transfer of the next
 BATCH_OBJECTS = 256
-BATCH_BYTES = 16 << 20
+BATCH_BYTES = 64 << 20
 
 
 def _environment(protocol: str, local_hostname: str):
@@ -93,8 +93,11 @@ class MooncakeStore(BlockStore):
         return [[hp + c * HEADER_BYTES, tp + c * bb] for c in cpu_ids], [[HEADER_BYTES, bb]] * len(cpu_ids)
 
     def _chunks(self, n):
+        """Parts of a call: the first small, so that the first transfer starts after little checksum work."""
         step = max(1, min(BATCH_OBJECTS, BATCH_BYTES // (self.tier.shape[1] + HEADER_BYTES)))
-        return (slice(i, i + step) for i in range(0, n, step))
+        first = max(1, step // 8)
+        return [slice(0, first)] + [slice(i, min(i + step, n)) for i in range(first, n, step)] if n > first \
+            else [slice(0, n)]
 
     # -- operations ------------------------------------------------------------------------------
     def put(self, keys, hashes, cpu_ids):
