@@ -7,6 +7,7 @@ mismatch and reports a miss: it never hands out wrong bytes.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -57,6 +58,7 @@ def as_hashes(hashes, label="hashes") -> np.ndarray:
     return hashes.astype(np.uint64)
 
 
+@functools.lru_cache(maxsize=64)        # asked on every store task and store lookup: ~200 us to compute
 def fingerprint(spec: CacheSpec, tp_size: int) -> str:
     """16 hex digits naming what the bytes of one rank's CPU block mean: the per-rank geometry and the
     tensor-parallel size (which heads a rank holds). Block counts are capacity, not meaning: left out."""
