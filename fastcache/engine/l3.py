@@ -37,10 +37,7 @@ class StoreTasks:
         """A bool per hash: does the store hold its object for every rank? (Existence only: a fetch still
         checks each header.)"""
         hashes, keys = self._store_keys(namespace, hashes)
-        present = np.ones(len(hashes), bool)
-        for rank_keys in keys:
-            present &= self._store_client().exists(rank_keys, hashes)
-        return present
+        return self._store_client().exists_every_rank(keys, hashes)
 
     def store_remove(self, namespace: str, hashes):
         """Remove the objects of these hashes, every rank's (absent ones are ignored)."""

@@ -47,6 +47,13 @@ class BlockStore(ABC):
     def exists(self, keys: ObjectKeys, hashes: np.ndarray) -> np.ndarray:
         """A bool per hash: is its object there (not fetched, so not yet checked)?"""
 
+    def exists_every_rank(self, keys: list[ObjectKeys], hashes: np.ndarray) -> np.ndarray:
+        """A bool per hash: is its object there for every one of these ranks' keys?"""
+        present = np.ones(len(hashes), bool)
+        for rank_keys in keys:
+            present &= self.exists(rank_keys, hashes)
+        return present
+
     @abstractmethod
     def remove(self, keys: ObjectKeys, hashes: np.ndarray):
         """Remove the objects of these hashes (absent ones are ignored)."""

@@ -164,12 +164,17 @@ class MooncakeStore(BlockStore):
         return size >= 0 and size != whole
 
     def exists(self, keys, hashes):
-        names = [keys.name(h) for h in hashes.tolist()]
+        return self.exists_every_rank([keys], hashes)
+
+    def exists_every_rank(self, keys, hashes):
+        """One round trip to the master for every rank's objects (a lookup waits for it)."""
+        values = hashes.tolist()
+        names = [k.name(h) for k in keys for h in values]
         codes = self._client.batch_is_exist(names) if names else []
         for name, code in zip(names, codes):
             if code < 0:
                 raise StoreError(f"store {self.url}: exists of {name} failed: {_name(code)}")
-        return np.array(codes, np.int64) == 1
+        return (np.array(codes, np.int64).reshape(len(keys), len(values)) == 1).all(axis=0)
 
     def remove(self, keys, hashes):
         names = [keys.name(h) for h in hashes.tolist()]
