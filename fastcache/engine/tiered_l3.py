@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import TransferError
 from ..ipc import protocol
+from ..store import fingerprint
 from ..store.base import MISS
 from .combined import CombinedHandle
 
@@ -45,10 +46,10 @@ class L3Tier:
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
         self.write = write
-        self._l3 = self.backend.store_url is not None
+        self._l3 = getattr(self.backend, "store_url", None) is not None     # a backend without a store
         self._l3_victims = []               # (hash, block) evicted under the lock, written back by the caller
-        self._l3_known = set()              # hashes of _l3_known_ns that the store has, as far as we know
-        self._l3_known_ns = self._namespace
+        self._l3_known = set()              # hashes the store has under _l3_known_as, as far as we know
+        self._l3_known_as = self._l3_names()
         self._l3_down_until = 0.0
         self._l3_writer = None              # the write-through thread, started on first use
         self._l3_jobs = queue.SimpleQueue()
@@ -61,9 +62,14 @@ class L3Tier:
     def _l3_usable(self) -> bool:
         return self._l3 and time.monotonic() >= self._l3_down_until
 
+    def _l3_names(self):
+        """What the store's keys begin with: the namespace, and the geometry (which a reshard changes)."""
+        return self._namespace, fingerprint(self.backend.spec, self.backend.tp_size) if self._l3 else None
+
     def _known(self) -> set:
-        if self._l3_known_ns != self._namespace:        # new weights: nothing known about the store
-            self._l3_known, self._l3_known_ns = set(), self._namespace
+        names = self._l3_names()
+        if self._l3_known_as != names:      # new weights or a new geometry: nothing known about the store
+            self._l3_known, self._l3_known_as = set(), names
         return self._l3_known
 
     def _note_evicted(self, victims, entries):
@@ -245,8 +251,7 @@ class L3Tier:
                 if ok and self._index.get(key) is entry:
                     entry[STATE] = READY
                     self._visible.add(key)
-                    if self._l3_known_ns == self._namespace:
-                        self._l3_known.add(key)
+                    self._known().add(key)
                 else:
                     entry[STATE] = DONE
             if ok:
