@@ -32,7 +32,7 @@ from conftest import deployment, round_trip, small_spec, wait_for
 LIVE = settings(max_examples=50, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
 PURE = settings(max_examples=200, deadline=None, database=None)
-CONTROL = ("stop", "clear", "restore")        # well-formed commands: not malformed input, never fuzzed live
+CONTROL = ("stop", "clear", "restore", "reshard")   # well-formed commands: not malformed input, never fuzzed live
 TASKS = ("task", "store_task")                # the messages that carry id frames
 
 # -- strategies ----------------------------------------------------------------------------------
@@ -42,7 +42,8 @@ json_values = st.recursive(json_scalars, lambda kids: st.lists(kids, max_size=4)
                            | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
 
 VALID_STR = {"kind": st.sampled_from(protocol.ALL_KINDS), "dtype": st.sampled_from(sorted(protocol.ID_DTYPES)),
-             "phase": st.sampled_from(protocol.PHASES), "error": st.text(max_size=40)}
+             "phase": st.sampled_from(protocol.PHASES), "error": st.text(max_size=40),
+             "step": st.sampled_from(protocol.RESHARD_STEPS)}
 
 
 def valid_value(field, kind):
@@ -203,6 +204,9 @@ def check_decoded(frames):
     elif header["type"] == "store_task":
         assert header["kind"] in protocol.STORE_KINDS and len(frames) == 3
         assert [a.dtype for a in ids] == [np.uint64, np.int64] and [len(a) for a in ids] == [header["count"]] * 2
+    elif header["type"] == "reshard":        # a reshard step: its block maps (old and new ids) or nothing
+        assert header["step"] in protocol.RESHARD_STEPS and len(frames) in (1, 1 + protocol.RESHARD_FRAMES)
+        assert len(ids) == len(frames) - 1 and all(a.dtype == np.int64 for a in ids)
     else:
         assert ids == [] and len(frames) == 1
 

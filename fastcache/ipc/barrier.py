@@ -29,21 +29,35 @@ LATE, DIED, ABORTED = 0, 1, 2       # why a generation broke (the barrier's shar
 class RankBarrier:
     POLL = 0.002   # seconds between checks while waiting; only phase changes wait here
 
-    def __init__(self, suffix: str, parties: int, create: bool = False, party_names=None):
+    def __init__(self, suffix: str, parties: int | None, create: bool = False, party_names=None):
+        """parties=None (attach only): as many as the creator made room for."""
+        name = barrier_name(suffix)
+        self._seg = None if create else SharedSegment.attach(name, suffix)
+        if parties is None:
+            if self._seg is None:
+                raise ValueError("creating a RankBarrier needs its number of parties")
+            parties = (self._seg.size // 8 - 5) // 2
         self.parties = parties
         self.party_names = list(party_names) if party_names else [f"party {i}" for i in range(parties)]
         if parties > 63:
+            if self._seg is not None:
+                self._seg.close()
             raise ValueError("a RankBarrier holds at most 63 parties")
-        nbytes = 8 * (2 * parties + 4)
-        name = barrier_name(suffix)
-        self._seg = SharedSegment.create(name, nbytes, suffix) if create else SharedSegment.attach(name, suffix)
-        table = self._seg.array(np.int64, (2 * parties + 4,))
+        nbytes = 8 * (2 * parties + 5)
+        if create:
+            self._seg = SharedSegment.create(name, nbytes, suffix)
+        elif self._seg.size < nbytes:
+            self._seg.close()
+            raise ValueError(f"barrier segment {name} holds {self._seg.size} bytes, expected {nbytes}")
+        table = self._seg.array(np.int64, (2 * parties + 5,))
         self._arrived = table[:parties]            # generation each party has reached
         self._pids = table[parties:2 * parties]    # pid registered by each party (0 = none)
         self._broken = table[2 * parties:2 * parties + 3]  # [highest broken generation, culprit mask, cause]
-        self._epoch = table[2 * parties + 3:]              # counts resets: a new attempt at a phase
+        self._epoch = table[2 * parties + 3:2 * parties + 4]   # counts resets: a new attempt at a phase
+        self._active = table[2 * parties + 4:]     # mask of the parties a generation waits for
         if create:
             table[...] = 0
+            self._active[0] = (1 << parties) - 1
 
     def register(self, party: int, pid: int | None = None):
         """Claim a slot; a restarted party carries on from the generation its slot reached."""
@@ -54,6 +68,23 @@ class RankBarrier:
         waits (between phases)."""
         self._arrived[...] = max(int(self._arrived.max()), int(self._broken[0]))
         self._epoch[0] += 1
+
+    @property
+    def active(self) -> list[int]:
+        mask = int(self._active[0])
+        return [p for p in range(self.parties) if mask >> p & 1]
+
+    def set_active(self, parties):
+        """Wait only for these parties from the next generation on (a reshard adds and retires ranks); a party
+        that joins starts at the generation the others have reached. Call only while no party waits."""
+        parties = sorted(set(parties))
+        if any(not 0 <= p < self.parties for p in parties):
+            raise ValueError(f"parties out of range 0..{self.parties - 1}: {parties}")
+        now = max([int(self._arrived[p]) for p in self.active] + [int(self._broken[0])])
+        for p in parties:
+            if not int(self._active[0]) >> p & 1:
+                self._arrived[p] = now
+        self._active[0] = sum(1 << p for p in parties)
 
     @property
     def epoch(self) -> int:
@@ -70,7 +101,8 @@ class RankBarrier:
         while True:
             if self._broken[0] >= gen:
                 raise self._error(gen, timeout)
-            missing = [p for p in range(self.parties) if self._arrived[p] < gen]
+            active = int(self._active[0])
+            missing = [p for p in range(self.parties) if active >> p & 1 and self._arrived[p] < gen]
             if not missing:
                 return gen
             dead = [p for p in missing if not self._alive(p)]
@@ -102,7 +134,7 @@ class RankBarrier:
         return pid == 0 or process_alive(pid)    # unregistered: only the timeout can rule it out
 
     def close(self):
-        self._arrived = self._pids = self._broken = self._epoch = None
+        self._arrived = self._pids = self._broken = self._epoch = self._active = None
         self._seg.close()
 
 
@@ -114,11 +146,27 @@ def transfer_party(rank: int) -> int:
     return 1 + rank
 
 
-def worker_party(tp_size: int, rank: int) -> int:
-    return 1 + tp_size + rank
+def worker_party(capacity: int, rank: int) -> int:
+    """The worker of rank's party: after the transfer managers of all `capacity` ranks (barrier.capacity)."""
+    return 1 + capacity + rank
 
 
-def phase_barrier(suffix: str, tp_size: int, create: bool = False) -> RankBarrier:
-    names = (["engine"] + [f"transfer manager rank {r}" for r in range(tp_size)]
-             + [f"worker rank {r}" for r in range(tp_size)])
-    return RankBarrier(suffix, len(names), create=create, party_names=names)
+def phase_barrier(suffix: str, tp_size: int, create: bool = False, capacity: int | None = None) -> RankBarrier:
+    """The deployment's barrier. The creator makes room for `capacity` ranks (default tp_size) and waits for
+    the first tp_size; an attacher finds the capacity in the segment (`barrier.capacity`)."""
+    if create:
+        capacity = max(tp_size, capacity or tp_size)
+        barrier = RankBarrier(suffix, 1 + 2 * capacity, create=True, party_names=_party_names(capacity))
+        barrier.set_active([ENGINE_PARTY] + [transfer_party(r) for r in range(tp_size)]
+                           + [worker_party(capacity, r) for r in range(tp_size)])
+    else:
+        barrier = RankBarrier(suffix, None)
+        capacity = (barrier.parties - 1) // 2
+        barrier.party_names = _party_names(capacity)
+    barrier.capacity = capacity
+    return barrier
+
+
+def _party_names(capacity):
+    return (["engine"] + [f"transfer manager rank {r}" for r in range(capacity)]
+            + [f"worker rank {r}" for r in range(capacity)])

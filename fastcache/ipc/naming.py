@@ -34,3 +34,19 @@ def manifest_name(suffix: str, rank: int) -> str:
 
 def barrier_name(suffix: str) -> str:
     return segment_name(suffix, "barrier")
+
+
+def reshard_plan_name(suffix: str) -> str:
+    """The current reshard step's JSON (DESIGN §9), written by the engine, read by the workers."""
+    return segment_name(suffix, "reshard")
+
+
+def reshard_staging_name(suffix: str, rank: int, kind: str) -> str:
+    """A rank's reshard staging buffer in shared memory: "gpu" (the sim device's, its worker's) or "cpu" (the
+    CPU tier's, the engine's)."""
+    return segment_name(suffix, f"reshard_{kind}_staging_rank{rank}")
+
+
+def reshard_exports_name(suffix: str, rank: int) -> str:
+    """How a worker exports its GPU staging buffer (JSON) for the reshard step."""
+    return segment_name(suffix, f"reshard_exports_rank{rank}")

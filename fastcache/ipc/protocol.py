@@ -35,8 +35,12 @@ SCHEMAS = {
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
     "error": {"error": str},
+    # a reshard step (DESIGN §9): body is the step's JSON (engine/reshard_phase.py), frames its block maps
+    "reshard": {"step": str, "body": str},
 }
-PHASES = ("attach", "clear", "restore")
+PHASES = ("attach", "clear", "restore", "reshard_prepare", "reshard_move", "reshard_commit", "reshard_abort")
+RESHARD_STEPS = ("prepare", "move", "commit", "abort")
+RESHARD_FRAMES = 4      # GPU ids old and new, CPU ids old and new (int64)
 
 
 class ProtocolError(ValueError):
@@ -89,6 +93,8 @@ def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
         raise ProtocolError(f"{type_}: unknown phase {header['phase']!r}")
     if type_ == "store_task":
         return header, _store_task_ids(header, frames)
+    if type_ == "reshard":
+        return header, _reshard_ids(header, frames)
     if type_ != "task":
         if len(frames) != 1:
             raise ProtocolError(f"{type_}: expected 1 frame, got {len(frames)}")
@@ -135,6 +141,24 @@ def _store_task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
     if len(frames) != 3 or any(len(frame) != count * 8 for frame in frames[1:]):
         raise ProtocolError(f"store_task: expected a header and two frames of {count * 8} bytes")
     return [np.frombuffer(frames[1], "<u8").astype(np.uint64), np.frombuffer(frames[2], "<i8").astype(np.int64)]
+
+
+def encode_reshard(step: str, body: str, maps=()) -> list[bytes]:
+    """A reshard step: its JSON body, and (for moves) the GPU and CPU block maps as raw int64 frames."""
+    return encode("reshard", step=step, body=body) + [np.ascontiguousarray(m, "<i8").tobytes() for m in maps]
+
+
+def _reshard_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
+    if header["step"] not in RESHARD_STEPS:
+        raise ProtocolError(f"reshard: unknown step {header['step']!r}")
+    maps = frames[1:]
+    if len(maps) not in (0, RESHARD_FRAMES):
+        raise ProtocolError(f"reshard: expected 0 or {RESHARD_FRAMES} id frames, got {len(maps)}")
+    if any(len(f) % 8 or len(f) > 8 * MAX_IDS for f in maps):
+        raise ProtocolError("reshard: an id frame is not a whole number of int64 ids (or too long)")
+    if maps and (len(maps[0]) != len(maps[1]) or len(maps[2]) != len(maps[3])):
+        raise ProtocolError("reshard: a block map's old and new ids differ in length")
+    return [np.frombuffer(f, "<i8").astype(np.int64) for f in maps]
 
 
 def check_ids(gpu_ids, cpu_ids, kind: str, num_gpu_blocks: int, num_cpu_blocks: int):

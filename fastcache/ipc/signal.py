@@ -6,9 +6,10 @@ import numpy as np
 from .naming import signal_name
 from .shm import SharedSegment
 
-# kv_cache_status values (FastDeploy's)
-NORMAL, UPDATING, CLEARING, CLEARED = 0, 1, -1, -2
-STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED"}
+# kv_cache_status values (FastDeploy's; RESHARDING is fastcache's, DESIGN §9)
+NORMAL, UPDATING, CLEARING, CLEARED, RESHARDING = 0, 1, -1, -2, -3
+STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED",
+                RESHARDING: "RESHARDING"}
 
 
 class IPCSignal:
@@ -31,6 +32,14 @@ class IPCSignal:
         if create:
             self.value[...] = 0
 
+    def view(self, shape):
+        """Re-view the segment with another shape (a reshard changes tp); it must fit in the segment."""
+        shape = tuple(shape)
+        if int(np.prod(shape)) * self.value.dtype.itemsize > self._seg.size:
+            raise ValueError(f"signal {self.name}: {shape} does not fit in its {self._seg.size}-byte segment")
+        self.value = self._seg.array(self.value.dtype, shape)
+        return self.value
+
     def close(self):
         self.value = None
         self._seg.close()
@@ -43,22 +52,34 @@ SIGNALS = {
     "kv_cache_status": (lambda tp: (1,), np.int32),
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
+    # reshard (DESIGN §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
+    # journal; the attempt is written last, so a reader that sees it new sees the rest new too
+    "reshard_state": (lambda tp: (5,), np.int64),
+    "reshard_progress": (lambda tp: (tp, 2), np.int64),
 }
 
 
 class DeploymentSignals:
     """All signals of one deployment, created by the engine and attached by workers and transfer managers."""
 
-    def __init__(self, suffix: str, tp_size: int, create: bool = False):
+    def __init__(self, suffix: str, tp_size: int, create: bool = False, capacity: int | None = None):
+        """capacity (creator only): ranks the segments hold room for, so that a reshard can grow tp up to it
+        without re-creating them; every process views the first tp_size."""
         self._signals = {}
+        size = max(tp_size, capacity or 0) if create else tp_size
         try:
             for name, (shape, dtype) in SIGNALS.items():
-                self._signals[name] = IPCSignal(name, shape(tp_size), dtype, suffix, create=create)
+                self._signals[name] = IPCSignal(name, shape(size), dtype, suffix, create=create)
         except BaseException:
             self.close()
             raise
+        self.resize(tp_size)
+
+    def resize(self, tp_size: int):
+        """View tp_size ranks (a reshard); the memory behind every view stays the same."""
         for name, sig in self._signals.items():
-            setattr(self, name, sig.value)
+            setattr(self, name, sig.view(SIGNALS[name][0](tp_size)))
+        self.tp_size = tp_size
 
     @property
     def status(self) -> int:
