@@ -14,6 +14,26 @@ class CpuBlockAllocator:
         self.generation = 0         # counts resets, so a holder of blocks (TieredCache) sees they are gone
         self._free = list(range(self.num_blocks))
         self._used: set[int] = set()
+        self._frozen = None         # why allocate is refused (a reshard renumbers the blocks)
+
+    def freeze(self, why: str):
+        """Refuse allocate (TransferError) until thaw(): the blocks are being renumbered."""
+        self._frozen = why
+
+    def thaw(self):
+        self._frozen = None
+
+    def used_ids(self) -> set:
+        with self._lock:
+            return set(self._used)
+
+    def remap(self, mapping: dict, num_blocks: int):
+        """After a reshard of the CPU tier: num_blocks blocks, used ones renamed by mapping; used blocks it
+        does not name (TieredCache quotas, taken again by their caches) become free."""
+        with self._lock:
+            self._used = {mapping[b] for b in self._used if b in mapping}
+            self.num_blocks = num_blocks
+            self._free = sorted(set(range(num_blocks)) - self._used)     # sorted: a valid heap
 
     def reset(self):
         """Every block free again (after a clear every cached block is stale)."""
@@ -29,6 +49,9 @@ class CpuBlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"number of CPU blocks must be a non-negative int, got {n!r}")
+        if self._frozen is not None:
+            from ..errors import TransferError
+            raise TransferError(f"CPU blocks cannot be allocated now: {self._frozen}")
         with self._lock:
             if n > len(self._free):
                 raise ValueError(f"asked for {n} CPU blocks, only {len(self._free)} of {self.num_blocks} are free")

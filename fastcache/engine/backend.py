@@ -38,13 +38,14 @@ from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .handle import TransferHandle
 from .l3 import StoreTasks
+from .reshard_phase import ReshardPhase
 
 log = logging.getLogger("fastcache.engine")
 
 MEMORY_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
 
 
-class SwapBackend(StoreTasks):
+class SwapBackend(StoreTasks, ReshardPhase):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`"""
 
     def __init__(self, spec: CacheSpec, tp_size: int = 1, device: str = "auto", suffix: str | None = None,
@@ -82,6 +83,7 @@ class SwapBackend(StoreTasks):
         self._warned: set = set()
         self._started = self._closed = False
         self.signals = self.barrier = None
+        self._init_reshard()                        # DESIGN §9 (engine/reshard_phase.py)
 
     # -- start-up --------------------------------------------------------------------------------
     def __enter__(self):
@@ -96,8 +98,9 @@ class SwapBackend(StoreTasks):
         remove_dead()
         self._started = True
         try:
-            self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True)
-            self.barrier = phase_barrier(self.suffix, self.tp_size, create=True)
+            # room for every tp a reshard can reach (DESIGN §9): the signals and the barrier stay
+            self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
+            self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
             self._create_swap_spaces()
             self.socket_dir = make_socket_dir(self.suffix)
@@ -136,18 +139,21 @@ class SwapBackend(StoreTasks):
                 seg.close()
                 self._swap_segments[rank] = None
 
-    def _spawn(self, rank: int):
-        cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(self.tp_size),
-               "--device_id", str(self.device_ids[rank]), "--ipc_suffix", self.suffix,
+    def _spawn(self, rank: int, spec: CacheSpec | None = None, tp: int | None = None, device_id: int | None = None):
+        """Start rank's transfer manager (a reshard starts new ranks with the spec and tp they will have)."""
+        spec, tp = spec or self.spec, tp or self.tp_size
+        device_id = self.device_ids[rank] if device_id is None else device_id
+        cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
+               "--device_id", str(device_id), "--ipc_suffix", self.suffix,
                "--socket_dir", self.socket_dir, "--engine_pid", str(os.getpid()), "--device", self.device,
-               "--spec", self.spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
+               "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
         self._registered[rank] = self._attached[rank] = False
         self.signals.transfer_heartbeat[rank] = 0
         self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
     @property
     def transfer_pids(self) -> list[int]:
-        return [p.pid if p is not None else 0 for p in self._procs]
+        return [p.pid if p is not None else 0 for p in self._procs[:self.tp_size]]
 
     @property
     def status(self) -> int:
@@ -165,8 +171,8 @@ class SwapBackend(StoreTasks):
         return self
 
     def _all_ready(self) -> bool:
-        return (all(self._attached) and bool(self.signals.cache_ready.all())
-                and bool(self.signals.swap_space_ready.all()))
+        return (all(self._attached[:self.tp_size]) and bool(self.signals.cache_ready[:self.tp_size].all())
+                and bool(self.signals.swap_space_ready[:self.tp_size].all()))
 
     def _readiness(self) -> str:
         return "; ".join(
@@ -233,6 +239,9 @@ class SwapBackend(StoreTasks):
         with self._phase_lock:
             if self.signals.status == CLEARED:
                 return
+            if self._pending_reshard is not None:
+                raise TransferError("clear refused: a reshard is pending (restart_rank the failed rank, then "
+                                    "reshard again)")
             self._raise_if_failed()
             deadline = time.monotonic() + timeout
             self.barrier.reset()
@@ -306,15 +315,21 @@ class SwapBackend(StoreTasks):
 
     # -- supervision -----------------------------------------------------------------------------
     def restart_rank(self, rank: int, timeout: float = 30.0):
-        """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block."""
-        if not 0 <= rank < self.tp_size:
+        """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a
+        pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec)."""
+        step = self._pending_reshard
+        ranks = len(self._procs) if step is not None else self.tp_size
+        if not 0 <= rank < ranks or self._procs[rank] is None and step is not None:
             raise ValueError(f"rank {rank} out of range for tp_size {self.tp_size}")
         proc = self._procs[rank]
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
         self._mark_failed(rank, "its transfer manager was restarted", level=logging.INFO)
-        self._spawn(rank)
+        if step is not None and rank >= self.tp_size:      # a rank the pending reshard added
+            self._spawn(rank, spec=step.plan.new_spec, tp=step.to_tp, device_id=step.device_ids[rank])
+        else:
+            self._spawn(rank)
         self._failed.pop(rank, None)    # only now: supervision must never see the old process in service
         # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
         # attached too when the cache is up (in CLEARED it attaches on restore)
@@ -333,7 +348,8 @@ class SwapBackend(StoreTasks):
             self._failed[rank] = why
         if first:
             log.log(level, "rank %d: %s", rank, why)
-        self._attached[rank] = False
+        if rank < len(self._attached):
+            self._attached[rank] = False
         with self._handles_lock:
             handles = list(self._handles.values())
         for handle in handles:
@@ -370,7 +386,7 @@ class SwapBackend(StoreTasks):
 
     def _check_exit(self, rank) -> bool:
         """If rank's transfer manager has exited, take the rank out of service naming its exit status."""
-        proc = self._procs[rank]
+        proc = self._procs[rank] if rank < len(self._procs) else None      # a reshard may have retired it
         code = proc.poll() if proc is not None else None
         if code is None:
             return False
@@ -405,6 +421,8 @@ class SwapBackend(StoreTasks):
         """Deliver a task (or, without task_id, a command) to every rank, in submission order."""
         with self._submit_lock:
             for rank, push in enumerate(self._task_pushes):
+                if push is None:        # a rank a reshard is adding or retiring
+                    continue
                 if rank in self._failed:
                     self._finish(task_id, rank, self._failed[rank])
                     continue
@@ -429,7 +447,8 @@ class SwapBackend(StoreTasks):
     def _on_reply(self, frames):
         who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
         rank = who[0] if who else None
-        if rank is None or not 0 <= rank < self.tp_size or who[1] != self.transfer_pids[rank]:
+        procs = self._procs        # during a reshard, ranks above tp_size are in service too
+        if rank is None or not 0 <= rank < len(procs) or procs[rank] is None or who[1] != procs[rank].pid:
             self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
             return
         try:
@@ -488,6 +507,8 @@ class SwapBackend(StoreTasks):
         if hasattr(self, "_context"):
             self._context.term()
         self._release_swap_spaces()
+        if self._pending_reshard is not None:
+            self._drop_step_memory(self._pending_reshard)
         if self.barrier is not None:
             self.barrier.close()
         if self.signals is not None:

@@ -83,6 +83,9 @@ class TieredCache(L3Tier):
         self._counts = dict.fromkeys(metrics.TIER_COUNTERS, 0)
         self._latency = {"store": metrics.Histogram(), "load": metrics.Histogram()}
         self._init_l3(write)
+        registry = getattr(backend, "_tiered_caches", None)
+        if registry is not None:        # a reshard renames the CPU blocks of the entries (DESIGN §9)
+            registry.add(self)
 
     # -- namespace (model and weight version) ------------------------------------------------------
     @property

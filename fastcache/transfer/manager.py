@@ -25,9 +25,10 @@ from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
 from ..ipc.naming import manifest_name, swap_space_name
 from ..ipc.queue import connect_client
 from ..ipc.shm import SegmentError, SharedSegment
-from ..ipc.signal import DeploymentSignals
+from ..ipc.signal import RESHARDING, DeploymentSignals
 from ..ops import get_ops
 from .l3 import StoreIO, store_task
+from .reshard import ReshardRunner
 from .scheduler import Scheduler, Task
 
 log = logging.getLogger("fastcache.transfer")
@@ -59,7 +60,11 @@ class TransferManager:
         self.done_pull = self.context.socket(zmq.PULL)
         self.done_pull.bind(f"inproc://done{rank}")
         self.cache = self.swap = self.copier = None
-        self.phase = "running"          # running | clearing | cleared | restoring
+        self.phase = "running"          # running | clearing | cleared | restoring | reshard_prepare | resharding
+        if self.signals.status == RESHARDING:   # started (or restarted) during a reshard: wait for its steps
+            self.phase = "resharding"
+        self.restore_phase = "restore"  # the barrier "restoring" ends with: restore, reshard_commit or _abort
+        self.reshard = ReshardRunner(self)
         self.release_swap = False
         self.scheduler = Scheduler()
         self.queues = {kind: queue.Queue() for kind in protocol.ALL_KINDS}
@@ -113,25 +118,27 @@ class TransferManager:
 
     def _advance(self):
         """Attach what became ready, and move clear/restore along once its preconditions hold."""
+        if self.reshard.advance():
+            return
         if self.phase in ("running", "restoring"):
             self._try_attach()
         if self.phase == "clearing" and not self.scheduler:
             self._detach()
             self._phase_barrier("clear", next_phase="cleared")
         elif self.phase == "restoring" and self.cache is not None and self.swap is not None:
-            self._phase_barrier("restore", next_phase="running")
+            self._phase_barrier(self.restore_phase, next_phase="running")
 
     def _phase_barrier(self, phase, next_phase):
         try:
             self.barrier.wait(transfer_party(self.rank), self.settings.phase_timeout)
         except BrokenBarrierError as exc:
             log.error("rank %d: %s barrier broke: %s", self.rank, phase, exc)
-            self.phase = "running" if phase == "restore" else "cleared"
+            self.phase = {"restore": "running", "clear": "cleared"}.get(phase, "resharding")
             self._send("phase_failed", phase=phase, rank=self.rank, error=str(exc))
             return
         self.phase = next_phase
         self._send("phase_done", phase=phase, rank=self.rank)
-        if phase == "restore":
+        if phase in ("restore", "reshard_commit", "reshard_abort"):
             self._send("phase_done", phase="attach", rank=self.rank)
 
     # -- attach / detach -------------------------------------------------------------------------
@@ -213,8 +220,11 @@ class TransferManager:
                 self.phase, self.release_swap = "clearing", header["release_swap_space"]
             elif kind == "restore":
                 self.phase, self.attach_error = "restoring", None     # a retried restore attaches afresh
+                self.restore_phase = "restore"
             elif kind == "store_task":
                 self._on_store_task(header, ids)
+            elif kind == "reshard":
+                self.reshard.on_message(header, ids)
             elif kind == "stop":
                 return "stop"
             else:

@@ -16,9 +16,10 @@ from ..ipc.barrier import phase_barrier, worker_party
 from ..ipc.heartbeat import Heartbeat
 from ..ipc.naming import manifest_name
 from ..ipc.shm import SharedSegment
-from ..ipc.signal import CLEARING, UPDATING, DeploymentSignals
+from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
+from .reshard import ReshardFollower
 
 log = logging.getLogger("fastcache.worker")
 
@@ -51,6 +52,7 @@ class CacheWorker:
         self._stop = threading.Event()
         self._thread = None
         self.signals = self.barrier = None
+        self._reshard = ReshardFollower(self)       # DESIGN §9: follows reshard steps on the watch thread
 
     # -- the tensors -----------------------------------------------------------------------------
     def _tensors(self, kind):
@@ -81,7 +83,7 @@ class CacheWorker:
 
     @property
     def _party(self):
-        return worker_party(self.tp_size, self.rank)
+        return worker_party(self.barrier.capacity, self.rank)
 
     def _allocate(self):
         self.generation += 1
@@ -89,10 +91,17 @@ class CacheWorker:
                                         self.generation)
         for info in self.spec.tensors(self.rank, self.device_id):
             self._by_kind.setdefault(info.kind, []).append(self._cache.tensors[info.name])
+        self._export()
+        self.signals.cache_ready[self.rank] = 1
+
+    def _export(self):
+        """Publish the cache's manifest (again, after a reshard re-viewed the tensors)."""
+        if self._manifest is not None:
+            self._manifest.close()
+            self._manifest = None
         payload = json.dumps(self._cache.manifest).encode()
         self._manifest = SharedSegment.create(manifest_name(self.suffix, self.rank), len(payload), self.suffix)
         self._manifest.array(np.uint8, (len(payload),))[:] = np.frombuffer(payload, np.uint8)
-        self.signals.cache_ready[self.rank] = 1
 
     def _release(self):
         if self._manifest is not None:
@@ -100,6 +109,7 @@ class CacheWorker:
             self._manifest = None
         self._by_kind = {}
         if self._cache is not None:
+            self._reshard.forget(self._cache)      # a reshard's references to the first tensors (cuda)
             self._cache.release()
             self._cache = None
         self.signals.cache_ready[self.rank] = 0     # only now is the memory really free
@@ -109,6 +119,9 @@ class CacheWorker:
         at a phase (the barrier's epoch counts the engine's attempts), whatever an earlier one left."""
         done = None         # (status, epoch) this worker has already taken part in
         while not self._stop.wait(0.005):
+            if self.signals.status == RESHARDING:
+                self._reshard.poll()
+                continue
             attempt = (self.signals.status, self.barrier.epoch)
             if attempt == done or attempt[0] not in (CLEARING, UPDATING):
                 continue
@@ -135,6 +148,7 @@ class CacheWorker:
             self._thread = None
         if self in _LOCAL_WORKERS.get(self.suffix, ()):
             _LOCAL_WORKERS[self.suffix].remove(self)
+        self._reshard.release()
         if self.signals is not None:
             self._release()
             self.signals.worker_heartbeat[self.rank] = 0

@@ -1,0 +1,531 @@
+"""SwapBackend.reshard (DESIGN §9): liquid scale-out and scale-in of a running deployment.
+
+The step, as the engine drives it (the plan itself is in engine/reshard.py):
+
+1. Validate everything (ValueError, nothing changed): tp, live blocks and whether they fit, the CPU tier's
+   used blocks, the callbacks, shared memory for new ranks.
+2. Status RESHARDING (swaps refused), tasks in flight finish.
+3. prepare: every old rank's transfer manager and worker meet at the phase barrier; kept workers allocate
+   their staging buffers (the engine makes the CPU tier's).
+4. New ranks (scale-out): CPU tiers, task sockets, transfer managers, then start_workers(ranks, spec).
+5. Moves, wave by wave (compaction first on a scale-in): each transfer manager runs its rank's program.
+6. commit: retired ranks' transfer managers stop, then stop_workers(ranks); the engine takes the new
+   geometry (spec, tp, CPU block allocator and TieredCaches remapped); every rank re-attaches and meets at
+   the barrier; status NORMAL.
+
+A failure before any rank has overwritten old rows (steps 3-5 up to the first in-place wave) rolls back:
+new ranks go, the old layout is still in service. After that point the step is pending: swaps stay refused,
+and the documented recovery is `restart_rank(r)` for a dead or stalled rank, then the same `reshard(tp)`
+again, which resumes where it stopped (each in-place program resumes from its journal).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import psutil
+import zmq
+
+from ..errors import TransferError
+from ..ipc import protocol
+from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
+from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name
+from ..ipc.queue import task_endpoint
+from ..ipc.shm import SHM_DIR, SharedSegment
+from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
+from ..worker.reshard import ABORT, COMMIT, MOVE, PREPARE, write_json_segment
+from .reshard import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
+
+log = logging.getLogger("fastcache.engine")
+
+MEMORY_HEADROOM = 0.9
+
+
+@dataclass
+class ReshardStep:
+    """One reshard in progress (or pending after a failure past its point of no return)."""
+    plan: Plan
+    seq: int
+    device_ids: list
+    start_workers: object
+    stop_workers: object
+    destructive: bool = False        # some rank has begun overwriting old rows: no way back
+    fresh_started: bool = False
+    compaction_done: bool = False
+    waves_done: int = 0
+    wave_ranks_done: set = field(default_factory=set)
+    committed_state: bool = False    # the engine has taken the new geometry
+    retired_stopped: bool = False
+    cpu_staging: dict = field(default_factory=dict)
+    quota_free: dict = field(default_factory=dict)   # TieredCache -> its free quota blocks at planning
+    plan_segment: object = None
+    times: dict = field(default_factory=dict)
+
+    @property
+    def from_tp(self):
+        return self.plan.old_tp
+
+    @property
+    def to_tp(self):
+        return self.plan.new_tp
+
+
+class ReshardPhase:
+    """Mixed into SwapBackend."""
+
+    def _init_reshard(self):
+        self._capacities = [Capacity.of(self.spec)] * self.tp_size     # each rank's allocation, head-blocks
+        self._reshard_seq = self._reshard_attempts = 0
+        self._pending_reshard: ReshardStep | None = None
+        self._tiered_caches = weakref.WeakSet()      # TieredCaches over this backend: remapped by a reshard
+        self.last_reshard = None                     # the report of the last completed reshard
+        self.resharding = None                       # the step in progress (start_workers may read it)
+
+    @property
+    def rank_capacity(self) -> int:
+        """The most ranks this deployment can reshard to: its total KV heads, at most 31."""
+        return min(self.spec.num_kv_heads * self.tp_size, MAX_RANKS)
+
+    # -- the API -----------------------------------------------------------------------------------
+    def reshard(self, tp_size, live_blocks=None, start_workers=None, stop_workers=None, timeout: float = 120.0,
+                *, device_ids=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        """Move every live block's KV head slices to the ranks that own them under tp_size (DESIGN §9).
+
+        Returns (new per-rank CacheSpec, block_map {old GPU id: new GPU id} of the live blocks). The CPU
+        tier's used blocks survive too: `last_reshard["cpu_block_map"]` says where they went (the allocator
+        and every TieredCache over this backend are remapped already). `start_workers(ranks, spec)` must start
+        the workers of ranks that appear (for tp `backend.resharding.to_tp`), `stop_workers(ranks)` stop those
+        that go. `device_ids`: the new ranks' devices (default: kept ranks keep theirs, new rank r gets r).
+        ValueError for a bad request, before anything changes; TransferError if a rank fails (see the
+        module docstring for what is left in service then)."""
+        with self._phase_lock:
+            step = self._pending_reshard
+            if step is not None:
+                if isinstance(tp_size, bool) or tp_size != step.to_tp:
+                    raise TransferError(f"a reshard from tp {step.from_tp} to {step.to_tp} is pending after a failure: "
+                                        f"restart_rank the failed rank, then call reshard({step.to_tp}) again")
+                if start_workers is not None:
+                    step.start_workers = start_workers
+                if stop_workers is not None:
+                    step.stop_workers = stop_workers
+                log.info("resuming the reshard from tp %d to %d", step.from_tp, step.to_tp)
+            else:
+                step = self._plan_reshard(tp_size, live_blocks, start_workers, stop_workers, device_ids,
+                                          staging_bytes)
+                if step is None:
+                    identity = {int(b): int(b) for b in self._live_gpu(live_blocks)}
+                    return self.spec, identity
+            return self._run_reshard(step, timeout)
+
+    # -- planning (ValueError, nothing changed) ----------------------------------------------------
+    def _live_gpu(self, live_blocks):
+        return np.arange(self.spec.num_gpu_blocks) if live_blocks is None else live_blocks
+
+    def _plan_reshard(self, tp_size, live_blocks, start_workers, stop_workers, device_ids, staging_bytes):
+        if not self._started or self._closed:
+            raise TransferError("the backend is not running")
+        tp = check_tp(self.spec, self.tp_size, tp_size)
+        if self.signals.status != NORMAL:
+            raise TransferError(f"reshard refused: kv_cache_status is "
+                                f"{STATUS_NAMES.get(self.signals.status, self.signals.status)} (it needs NORMAL)")
+        spare, quota_free = self._quota_snapshot()
+        cpu_live = sorted(self.allocator.used_ids() - spare)
+        plan = Plan(self.spec, self.tp_size, tp, self._capacities[:self.tp_size], self._live_gpu(live_blocks),
+                    cpu_live, staging_bytes)
+        if tp == self.tp_size:
+            return None
+        if plan.fresh and not callable(start_workers):
+            raise ValueError(f"start_workers(ranks, spec) is needed: ranks {plan.fresh} appear at tp {tp}")
+        if plan.retired and not callable(stop_workers):
+            raise ValueError(f"stop_workers(ranks) is needed: ranks {plan.retired} go at tp {tp}")
+        if device_ids is None:
+            device_ids = self.device_ids[:tp] + list(range(self.tp_size, tp))
+        device_ids = [int(d) for d in device_ids]
+        if len(device_ids) != tp or any(d < 0 for d in device_ids):
+            raise ValueError(f"device_ids must list {tp} devices (>= 0), got {device_ids}")
+        if device_ids[:min(tp, self.tp_size)] != self.device_ids[:min(tp, self.tp_size)]:
+            raise ValueError("a kept rank keeps its device: device_ids may only choose the new ranks' devices")
+        self._check_reshard_fits(plan)
+        self._reshard_seq += 1
+        return ReshardStep(plan, self._reshard_seq, device_ids, start_workers, stop_workers, quota_free=quota_free)
+
+    def _check_reshard_fits(self, plan):
+        """Shared memory for the new ranks' CPU tiers (and on sim their caches) and the CPU staging buffers."""
+        new = plan.new_spec
+        need = len(plan.fresh) * new.cpu_cache_bytes
+        if self.device == "sim":
+            need += len(plan.fresh) * new.gpu_cache_bytes
+            need += sum(plan.staging_bytes_for(r, "gpu") for r in plan.kept)
+        need += sum(plan.staging_bytes_for(r, "cpu") for r in plan.kept)
+        have = min(psutil.virtual_memory().available, shutil.disk_usage(SHM_DIR).free) * MEMORY_HEADROOM
+        if need > have:
+            raise ValueError(f"the reshard needs {need / 2**30:.2f} GiB more shared memory (new ranks' CPU tiers"
+                             f"{' and caches' if self.device == 'sim' else ''}, staging), only {have / 2**30:.2f} "
+                             f"GiB can be had")
+
+    # -- the step ----------------------------------------------------------------------------------
+    def _run_reshard(self, step: ReshardStep, timeout: float):
+        self._raise_if_failed_for(step)
+        deadline = time.monotonic() + timeout
+        began = time.perf_counter()
+        self.resharding = step
+        plan = step.plan
+        try:
+            self.signals.status = RESHARDING           # refuses new swaps from here on
+            self.allocator.freeze("a reshard is in progress")
+            try:
+                self._drain(deadline)
+                if step is not self._pending_reshard:
+                    self._replan(step)                 # what the CPU tier holds may have changed meanwhile
+            except Exception:
+                if self._pending_reshard is None:
+                    self.allocator.thaw()
+                    self.signals.status = NORMAL
+                raise
+            if not step.destructive:
+                try:
+                    self._reshard_prepare(step, deadline)
+                    self._reshard_start_fresh(step, deadline)
+                    step.times["prepared"] = time.perf_counter() - began
+                    self._reshard_moves(step, deadline, stop_before_destructive=True)
+                except Exception as exc:
+                    self._pending_reshard = None
+                    self._reshard_rollback(step, deadline, exc)
+                    if self._pending_reshard is None:
+                        self.allocator.thaw()
+                    raise
+            moving = time.perf_counter()
+            try:
+                self._reshard_moves(step, deadline)
+            except Exception:
+                self._pending_reshard = step
+                raise
+            step.times["move"] = step.times.get("move", 0.0) + time.perf_counter() - moving
+            try:
+                self._reshard_commit(step, deadline)
+            except Exception:
+                self._pending_reshard = step
+                raise
+        finally:
+            self.resharding = None
+        self._pending_reshard = None
+        report = self._reshard_report(step, time.perf_counter() - began)
+        self.last_reshard = report
+        self.allocator.thaw()
+        self.signals.status = NORMAL
+        log.info("resharded tp %d -> %d: %s", step.from_tp, step.to_tp, report)
+        return plan.new_spec, plan.gpu_map
+
+    def _replan(self, step):
+        """Plan again from the CPU tier's blocks as they are now that nothing can allocate or swap."""
+        spare_now, quota_free = self._quota_snapshot()
+        cpu_live = sorted(self.allocator.used_ids() - spare_now)
+        if np.array_equal(cpu_live, step.plan.cpu_old):
+            step.quota_free = quota_free
+            return
+        old = step.plan
+        step.plan = Plan(old.old_spec, old.old_tp, old.new_tp, old.capacities, old.gpu_old, cpu_live,
+                         old.staging_bytes)
+        step.quota_free = quota_free
+        self._check_reshard_fits(step.plan)
+
+    def _quota_snapshot(self):
+        quota_free = {}
+        for cache in list(self._tiered_caches):
+            with cache._lock:
+                if not cache._closed:
+                    quota_free[cache] = list(cache._free)
+        return {b for free in quota_free.values() for b in free}, quota_free
+
+    def _raise_if_failed_for(self, step):
+        """Every rank the step needs must be in service (restart_rank a failed one first)."""
+        failed = {r: why for r, why in self._failed.items()}
+        if failed:
+            raise TransferError("reshard refused: " + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+                                + " (restart_rank it first)")
+
+    def _body(self, step: ReshardStep, **extra) -> str:
+        plan = step.plan
+        body = {"seq": step.seq, "from_tp": plan.old_tp, "to_tp": plan.new_tp, "old_spec": plan.old_spec.to_json(),
+                "new_spec": plan.new_spec.to_json(), "capacities": [c.to_list() for c in plan.capacities],
+                "staging_bytes": plan.staging_bytes, **extra}
+        text = json.dumps(body, separators=(",", ":"))
+        if len(text) > protocol.MAX_HEADER_BYTES - 200:
+            raise TransferError(f"the reshard step's description ({len(text)} bytes) does not fit in a message header")
+        return text
+
+    def _set_stage(self, step, stage):
+        """Publish a stage to the workers (after barrier.reset(): they act once per attempt)."""
+        state = self.signals.reshard_state
+        state[0], state[1], state[2], state[3] = step.seq, stage, step.from_tp, step.to_tp
+        self._reshard_attempts += 1
+        state[4] = self._reshard_attempts
+
+    def _reshard_prepare(self, step, deadline):
+        plan = step.plan
+        if step.plan_segment is None:
+            staging = [plan.staging_bytes_for(r, "gpu") for r in range(max(plan.old_tp, plan.new_tp))]
+            step.plan_segment = write_json_segment(
+                reshard_plan_name(self.suffix),
+                {"seq": step.seq, "from_tp": plan.old_tp, "to_tp": plan.new_tp,
+                 "new_spec": plan.new_spec.to_json(), "staging": staging}, self.suffix)
+        for r in plan.kept:
+            need = plan.staging_bytes_for(r, "cpu")
+            if need and r not in step.cpu_staging:
+                step.cpu_staging[r] = SharedSegment.create(reshard_staging_name(self.suffix, r, "cpu"), need,
+                                                           self.suffix)
+        self.barrier.reset()
+        self._set_stage(step, PREPARE)
+        self._run_phase("reshard_prepare", protocol.encode_reshard("prepare", self._body(step)), deadline)
+
+    def _grow_lists(self, size):
+        for name, fill in (("_procs", None), ("_registered", False), ("_attached", False), ("_swap_segments", None)):
+            current = getattr(self, name)
+            if len(current) < size:
+                setattr(self, name, current + [fill] * (size - len(current)))
+
+    def _reshard_start_fresh(self, step, deadline):
+        plan = step.plan
+        if not plan.fresh or step.fresh_started:
+            return
+        new = plan.new_spec
+        self._grow_lists(plan.new_tp)
+        self.signals.resize(plan.new_tp)
+        while len(self._task_pushes) < plan.new_tp:
+            self._task_pushes.append(None)
+        for r in plan.fresh:
+            for name in ("cache_ready", "swap_space_ready", "worker_heartbeat", "transfer_heartbeat"):
+                getattr(self.signals, name)[r] = 0
+            self.signals.reshard_progress[r] = 0
+            if self._swap_segments[r] is None:
+                self._swap_segments[r] = SharedSegment.create(swap_space_name(self.suffix, r), new.cpu_cache_bytes,
+                                                              self.suffix)
+            if self._task_pushes[r] is None:
+                push = self._context.socket(zmq.PUSH)
+                for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.MAXMSGSIZE, 1 << 28)):
+                    push.setsockopt(option, value)
+                push.bind(task_endpoint(self.socket_dir, r))
+                self._task_pushes[r] = push
+        cap = self.barrier.capacity
+        self.barrier.set_active(self.barrier.active + [transfer_party(r) for r in plan.fresh]
+                                + [worker_party(cap, r) for r in plan.fresh])
+        step.fresh_started = True
+        for r in plan.fresh:
+            self._spawn(r, spec=new, tp=plan.new_tp, device_id=step.device_ids[r])
+        try:
+            step.start_workers(list(plan.fresh), new)
+        except Exception as exc:
+            raise TransferError(f"start_workers({plan.fresh}) failed: {type(exc).__name__}: {exc}") from exc
+        self._wait_signals(lambda: all(self._registered[r] and self.signals.cache_ready[r] == 1 for r in plan.fresh),
+                           deadline, f"start of ranks {plan.fresh}")
+
+    def _reshard_moves(self, step, deadline, stop_before_destructive=False):
+        plan = step.plan
+        maps = [plan.gpu_old, plan.gpu_new, plan.cpu_old, plan.cpu_new]
+        if plan.scale_in and not step.compaction_done:
+            self._set_stage(step, MOVE)
+            self._reshard_wave(step, list(range(plan.old_tp)), "compact", maps, deadline)
+            step.compaction_done = True
+        while step.waves_done < len(plan.waves):
+            wave = plan.waves[step.waves_done]
+            if any(plan.destructive(r) for r in wave):
+                if stop_before_destructive:
+                    return
+                step.destructive = True      # from here on the old layout is gone
+            self._set_stage(step, MOVE)
+            self._reshard_wave(step, [r for r in wave if r not in step.wave_ranks_done], "program", maps, deadline)
+            step.waves_done += 1
+            step.wave_ranks_done = set()
+
+    def _reshard_wave(self, step, ranks, role, maps, deadline):
+        """Send one wave's moves and wait for every rank of it; TransferError naming the ranks that failed."""
+        if not ranks:
+            return
+        message = protocol.encode_reshard("move", self._body(step, role=role), maps)
+        with self._phase_cond:
+            acks = self._phase_acks["reshard_move"] = {}
+        began = time.perf_counter()
+        for r in ranks:
+            if r in self._failed:
+                raise TransferError(f"reshard {role} failed: rank {r}: {self._failed[r]}")
+            try:
+                self._task_pushes[r].send_multipart(message, zmq.NOBLOCK)
+            except zmq.Again:
+                self._check_exit(r)
+                raise TransferError(f"reshard {role} failed: rank {r}: "
+                                    f"{self._failed.get(r, 'transfer manager not connected')}") from None
+        with self._phase_cond:
+            self._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in self._failed for r in ranks),
+                                      max(0.0, deadline - time.monotonic()))
+            got = dict(acks)
+            self._phase_acks.pop("reshard_move", None)
+        done = {r for r, e in got.items() if e is None and r in ranks}
+        if role == "program":
+            step.wave_ranks_done |= done
+        step.times.setdefault("waves", []).append((role, ranks, time.perf_counter() - began))
+        problems = [f"rank {r}: {self._failed[r]}" for r in ranks if r in self._failed]
+        problems += [f"rank {r}: {e}" for r, e in sorted(got.items()) if e is not None and r in ranks]
+        late = sorted(set(ranks) - set(got) - set(self._failed))
+        problems += [f"rank {r}: its transfer manager (pid {self._procs[r].pid}) did not finish within the "
+                     f"timeout (stalled? restart_rank({r}))" for r in late]
+        if problems:
+            raise TransferError(f"reshard {role} failed: " + "; ".join(problems))
+
+    def _reshard_rollback(self, step, deadline, cause):
+        """Nothing was overwritten: retire the new ranks and put the old layout back in service."""
+        plan = step.plan
+        log.error("reshard to tp %d failed before any rank overwrote its old rows (%s); rolling back",
+                  plan.new_tp, cause)
+        try:
+            if step.fresh_started:
+                self._retire(plan.fresh, step.stop_workers if callable(step.stop_workers) else None)
+                step.fresh_started = False
+            m = plan.old_tp
+            self._procs, self._registered = self._procs[:m], self._registered[:m]
+            self._attached, self._swap_segments = self._attached[:m], self._swap_segments[:m]
+            self._task_pushes = self._task_pushes[:m]
+            self.signals.resize(plan.old_tp)
+            self.barrier.set_active([ENGINE_PARTY] + [transfer_party(r) for r in range(plan.old_tp)]
+                                    + [worker_party(self.barrier.capacity, r) for r in range(plan.old_tp)])
+            self._set_stage(step, ABORT)
+            for r in range(plan.old_tp):
+                self._attached[r] = False
+            if not self._failed:
+                self.barrier.reset()
+                self._run_phase("reshard_abort", protocol.encode_reshard("abort", self._body(step)),
+                                max(deadline, time.monotonic() + 10))
+                self._wait_signals(self._all_ready, max(deadline, time.monotonic() + 10), "reshard rollback")
+                self.signals.status = NORMAL
+            else:       # a dead rank: restart_rank it, then restore_caches-like retry: reshard again
+                self._pending_reshard = step
+        except Exception as exc:
+            log.error("rollback of the reshard to tp %d did not complete: %s", plan.new_tp, exc)
+            self._pending_reshard = step
+        finally:
+            if self._pending_reshard is None:
+                self._drop_step_memory(step)
+
+    def _retire(self, ranks, stop_workers):
+        """Stop these ranks' transfer managers (and, through the callback, their workers); drop their CPU
+        tiers and task sockets; take them out of the barrier."""
+        procs = []
+        for r in ranks:
+            proc, self._procs[r] = self._procs[r], None      # supervision must not report a planned exit
+            self._failed.pop(r, None)
+            self._attached[r] = self._registered[r] = False
+            if proc is not None:
+                procs.append(proc)
+                if self._task_pushes[r] is not None:
+                    try:
+                        self._task_pushes[r].send_multipart(protocol.encode("stop"), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+        end = time.monotonic() + 5
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if stop_workers is not None:
+            stop_workers(list(ranks))
+        for r in ranks:
+            push, self._task_pushes[r] = self._task_pushes[r], None
+            if push is not None:
+                push.close(0)
+            seg, self._swap_segments[r] = self._swap_segments[r], None
+            if seg is not None:
+                seg.close()
+        cap = self.barrier.capacity
+        gone = {transfer_party(r) for r in ranks} | {worker_party(cap, r) for r in ranks}
+        self.barrier.set_active([p for p in self.barrier.active if p not in gone])
+
+    def _reshard_commit(self, step, deadline):
+        plan = step.plan
+        if not step.retired_stopped:
+            if plan.retired:
+                self._retire(plan.retired, step.stop_workers)
+            step.retired_stopped = True
+        if not step.committed_state:
+            self._take_new_geometry(step)
+            step.committed_state = True
+        for r in range(plan.new_tp):
+            self._attached[r] = False
+        self.barrier.reset()
+        self._set_stage(step, COMMIT)
+        self._run_phase("reshard_commit", protocol.encode_reshard("commit", self._body(step)), deadline)
+        self._wait_signals(self._all_ready, deadline, "reshard commit")
+        self._drop_step_memory(step)
+
+    def _take_new_geometry(self, step):
+        plan = step.plan
+        n = plan.new_tp
+        new_caps = [self._capacities[r] for r in plan.kept] + [Capacity.of(plan.new_spec)] * len(plan.fresh)
+        self.spec, self.tp_size, self.device_ids = plan.new_spec, n, list(step.device_ids)
+        self._capacities = new_caps
+        for r in range(n, len(self._procs)):        # retired: None already; supervision sees None
+            self._procs[r] = None
+        # replaced, never shrunk in place: the I/O thread may be iterating the old lists
+        self._procs, self._registered = self._procs[:n], self._registered[:n]
+        self._attached, self._swap_segments = self._attached[:n], self._swap_segments[:n]
+        self._task_pushes = self._task_pushes[:n]
+        self.signals.resize(n)
+        cpu_map = plan.cpu_map
+        self.allocator.remap(cpu_map, plan.new_spec.num_cpu_blocks)
+        self.allocator.thaw()
+        for cache, free in step.quota_free.items():
+            remap_tiered_cache(cache, cpu_map, free, self.allocator)
+
+    def _drop_step_memory(self, step):
+        for seg in step.cpu_staging.values():
+            seg.close()
+        step.cpu_staging = {}
+        if step.plan_segment is not None:
+            step.plan_segment.close()
+            step.plan_segment = None
+
+    def _reshard_report(self, step, seconds):
+        plan = step.plan
+        moved = {k: 0 for k in ("local", "remote", "cpu", "compaction")}
+        for r in range(max(plan.old_tp, plan.new_tp)):
+            for k, v in plan.moved_bytes(r).items():
+                moved[k] += v
+        total = sum(moved.values())
+        move_seconds = sum(t for _, _, t in step.times.get("waves", []))
+        return {"from_tp": plan.old_tp, "to_tp": plan.new_tp, "seconds": seconds, "move_seconds": move_seconds,
+                "bytes_moved": total, "gbps": total / move_seconds / 1e9 if move_seconds else 0.0,
+                "bytes_by_source": moved,
+                "waves": [(role, ranks, t) for role, ranks, t in step.times.get("waves", [])],
+                "gpu_blocks_per_rank": [plan.old_spec.num_gpu_blocks, plan.new_spec.num_gpu_blocks],
+                "cpu_blocks_per_rank": [plan.old_spec.num_cpu_blocks, plan.new_spec.num_cpu_blocks],
+                "live_gpu_blocks": len(plan.gpu_old), "live_cpu_blocks": len(plan.cpu_old),
+                "block_map": plan.gpu_map, "cpu_block_map": plan.cpu_map,
+                "staging_bytes": {r: plan.staging_bytes_for(r, "gpu") for r in plan.kept},
+                "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept}}
+
+
+def remap_tiered_cache(cache, cpu_map: dict, free: list, allocator):
+    """A TieredCache's index after the CPU tier was resharded: every entry's block renamed by cpu_map, and a
+    quota of free blocks taken again (fewer if the smaller tier has not as many free: the capacity shrinks)."""
+    from .tiered import BLOCK
+    with cache._lock:
+        if cache._closed:
+            return
+        for key, entry in list(cache._index.items()):
+            block = entry[BLOCK]
+            if block is None:
+                continue
+            if block not in cpu_map:     # cannot happen (every entry's block was live): fail closed
+                cache._drop(key, entry)
+                continue
+            entry[BLOCK] = cpu_map[block]
+        take = min(len(free), allocator.num_free)
+        cache._free = allocator.allocate(take)[::-1]
+        cache.capacity -= len(free) - take

@@ -1,0 +1,137 @@
+"""The sim device's part of a reshard (DESIGN §9): every rank's memory as flat byte views of shared memory.
+
+Worker side: a staging buffer in shared memory (so that a transfer manager that dies mid-chunk can be
+replaced and rewrite the chunk from it), and the cache's tensors re-viewed in the new shape at the same
+offsets of the same arena (no new allocation). Transfer-manager side: `SimMemory` resolves the plan's
+memory references (a rank's tensor, its CPU tier, a staging buffer) to flat uint8 views and executes the
+plan's strided copies with NumPy. The CPU tier is host memory on every device, so the cuda device uses
+`HostMemory` for it too.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..config import CacheSpec
+from ..engine.reshard import Plan, numpy_copy
+from ..ipc.naming import reshard_exports_name, reshard_staging_name, swap_space_name
+from ..ipc.shm import SharedSegment
+from .frameworks import NUMPY_STORAGE, wrap_host_array
+
+
+# -- worker side -----------------------------------------------------------------------------------
+class SimStaging:
+    """A worker's staging buffer: a shared-memory segment it owns, exported by name."""
+
+    def __init__(self, suffix: str, rank: int, nbytes: int):
+        self.nbytes = nbytes
+        self.segment = SharedSegment.create(reshard_staging_name(suffix, rank, "gpu"), nbytes, suffix)
+        self.descriptor = {"device": "sim", "segment": self.segment.name, "nbytes": nbytes}
+
+    def close(self):
+        self.segment.close()
+
+
+def allocate_staging(cache, suffix: str, rank: int, nbytes: int, framework: str, device_id: int):
+    return SimStaging(suffix, rank, nbytes)
+
+
+def reshape(cache, spec: CacheSpec, rank: int, device_id: int, framework: str):
+    """Re-view a SimLocalCache's tensors in spec's shape, each at its old offset of the same arena."""
+    infos = spec.tensors(rank, device_id)
+    if len(infos) != len(cache.manifest):
+        raise ValueError(f"the new spec has {len(infos)} tensors, the cache {len(cache.manifest)}")
+    arena = cache._arena
+    offsets = [entry["offset"] for entry in cache.manifest]
+    limits = sorted(offsets)[1:] + [arena.size]
+    limit_of = dict(zip(sorted(offsets), limits))
+    tensors, manifest = {}, []
+    for info, entry in zip(infos, cache.manifest):
+        offset = entry["offset"]
+        if offset + info.nbytes > limit_of[offset]:
+            raise ValueError(f"{info.name} of {info.nbytes} bytes does not fit where it was allocated")
+        array = arena.array(NUMPY_STORAGE[info.dtype], info.shape, offset)
+        tensors[info.name] = wrap_host_array(array, info.dtype, framework)
+        manifest.append({"name": info.name, "segment": entry["segment"], "offset": offset, "nbytes": info.nbytes})
+    cache.tensors, cache.manifest = tensors, manifest
+
+
+# -- transfer-manager side -------------------------------------------------------------------------
+def read_json_segment(name: str, suffix: str):
+    with SharedSegment.attach(name, suffix) as seg:
+        raw = bytes(seg.array(np.uint8, (seg.size,)))
+    return json.loads(raw.rstrip(b"\0"))
+
+
+class HostMemory:
+    """CPU tiers and the CPU tier's staging buffers (engine-owned shared memory), on every device."""
+
+    def __init__(self, suffix: str, plan: Plan):
+        self.suffix, self.plan = suffix, plan
+        self._segments, self._views = {}, {}
+
+    def _segment(self, name):
+        seg = self._segments.get(name)
+        if seg is None:
+            seg = self._segments[name] = SharedSegment.attach(name, self.suffix)
+        return seg
+
+    def _view(self, seg, offset, nbytes, what):
+        if offset < 0 or offset + nbytes > seg.size:
+            raise ValueError(f"{what}: {nbytes} bytes at {offset} lie outside its {seg.size}-byte segment")
+        return seg.array(np.uint8, (nbytes,), offset)
+
+    def resolve(self, ref):
+        view = self._views.get(ref)
+        if view is None:
+            view = self._views[ref] = self._resolve(ref)
+        return view
+
+    def _resolve(self, ref):
+        if ref[0] == "cpu":
+            space = self.plan.spaces[-1]
+            seg = self._segment(swap_space_name(self.suffix, ref[1]))
+            return self._view(seg, 0, self.plan.region_bytes(space, ref[1]), f"CPU tier of rank {ref[1]}")
+        if ref[0] == "staging" and ref[2] == "cpu":
+            seg = self._segment(reshard_staging_name(self.suffix, ref[1], "cpu"))
+            return self._view(seg, 0, self.plan.staging_bytes_for(ref[1], "cpu"), f"CPU staging of rank {ref[1]}")
+        raise KeyError(f"not host memory: {ref}")
+
+    def close(self):
+        self._views = {}
+        for seg in self._segments.values():
+            seg.close()
+        self._segments = {}
+
+
+class SimMemory(HostMemory):
+    """Every memory a sim transfer manager's reshard program touches, and the copies over it."""
+
+    def __init__(self, suffix: str, plan: Plan):
+        super().__init__(suffix, plan)
+        self._manifests = {}
+        self.execute = numpy_copy(self.resolve)
+
+    def flush(self):
+        pass
+
+    def _resolve(self, ref):
+        from ..transfer.manager import read_manifest
+        if ref[0] == "gpu":
+            rank, index = ref[1], ref[2]
+            manifest = self._manifests.get(rank)
+            if manifest is None:
+                manifest = self._manifests[rank] = read_manifest(self.suffix, rank)
+            if len(manifest) != len(self.plan.spaces) - 1:
+                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has {len(self.plan.spaces) - 1}")
+            entry = manifest[index]
+            return self._view(self._segment(entry["segment"]), entry["offset"],
+                              self.plan.region_bytes(self.plan.spaces[index], rank), f"{entry['name']}")
+        if ref[0] == "staging" and ref[2] == "gpu":
+            desc = read_json_segment(reshard_exports_name(self.suffix, ref[1]), self.suffix)
+            if desc.get("device") != "sim":
+                raise ValueError(f"rank {ref[1]} exports a {desc.get('device')} staging buffer to a sim transfer manager")
+            need = self.plan.staging_bytes_for(ref[1], "gpu")
+            return self._view(self._segment(desc["segment"]), 0, need, f"staging of rank {ref[1]}")
+        return super()._resolve(ref)

@@ -1,0 +1,140 @@
+"""A worker's part in a reshard (DESIGN §9), run on its watch thread while kv_cache_status is RESHARDING.
+
+The engine publishes the step in the reshard_state signal ([sequence, stage, from tp, to tp, attempt]) and
+its details in the reshard plan segment (JSON). A worker takes part once in every attempt at a stage (the
+engine bumps the attempt after resetting the barrier):
+
+- PREPARE (ranks of the old tp): a kept rank allocates its staging buffer beside the cache and exports
+  it; every old rank marks its export stale (cache_ready = 0); then the barrier. A failure (no memory for
+  the staging buffer) aborts the barrier at once, naming this worker, before anything moves.
+- COMMIT (ranks of the new tp): a kept rank re-views its tensors in the new shape, at the same addresses,
+  and re-exports them; the staging buffer goes; cache_ready = 1; then the barrier. A rank started during
+  the step (start_workers) has the new shape already and only meets the barrier.
+- ABORT (ranks of the old tp; nothing was overwritten): the staging buffer goes, cache_ready = 1, barrier.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+
+from ..config import CacheSpec
+from ..ipc.naming import reshard_exports_name, reshard_plan_name
+from ..ipc.shm import SharedSegment
+
+log = logging.getLogger("fastcache.worker")
+
+PREPARE, MOVE, COMMIT, ABORT = 1, 2, 3, 4
+STAGE_NAMES = {PREPARE: "prepare", MOVE: "move", COMMIT: "commit", ABORT: "abort"}
+
+
+def device_helpers(device: str):
+    if device == "sim":
+        from ..ops import sim_reshard
+        return sim_reshard
+    from ..ops import cuda_reshard
+    return cuda_reshard
+
+
+def write_json_segment(name: str, payload: dict, suffix: str) -> SharedSegment:
+    raw = json.dumps(payload, separators=(",", ":")).encode()
+    seg = SharedSegment.create(name, len(raw), suffix)
+    seg.array(np.uint8, (len(raw),))[:] = np.frombuffer(raw, np.uint8)
+    return seg
+
+
+def read_plan(suffix: str) -> dict:
+    from ..ops.sim_reshard import read_json_segment
+    return read_json_segment(reshard_plan_name(suffix), suffix)
+
+
+class ReshardFollower:
+    """Follows the engine's reshard steps for one CacheWorker."""
+
+    def __init__(self, worker):
+        self.w = worker
+        self.done = None            # the last attempt (reshard_state[4]) seen
+        self.staging = None
+        self.exports = None
+
+    def poll(self):
+        w = self.w
+        state = w.signals.reshard_state
+        attempt = int(state[4])                 # read first: the engine writes it last
+        if attempt == self.done:
+            return
+        self.done = attempt
+        seq, stage, from_tp, to_tp = (int(x) for x in state[:4])
+        if stage not in (PREPARE, COMMIT, ABORT):
+            return
+        old, new = w.rank < from_tp, w.rank < to_tp
+        if stage in (PREPARE, ABORT) and not old or stage == COMMIT and not new:
+            return      # not a party of this stage (started during the step, or retired)
+        try:
+            if stage == PREPARE:
+                self._prepare(seq, new)
+            elif stage == COMMIT:
+                self._commit(seq, old)
+            else:
+                self._abort()
+        except Exception as exc:
+            log.error("rank %d: reshard %s failed: %s", w.rank, STAGE_NAMES[stage], exc)
+            w.barrier.abort(w._party)       # everyone learns at once, naming this worker
+            return
+        try:
+            w.barrier.wait(w._party, w.settings.phase_timeout)
+        except Exception as exc:        # a failed stage leaves the cache as it is; the engine reports it
+            log.error("rank %d: reshard %s failed: %s", w.rank, STAGE_NAMES[stage], exc)
+
+    def _prepare(self, seq, kept):
+        w = self.w
+        plan = read_plan(w.suffix)
+        if plan.get("seq") != seq:
+            raise ValueError(f"reshard plan {plan.get('seq')} is not step {seq}")
+        need = int(plan["staging"][w.rank]) if kept else 0
+        if need and (self.staging is None or self.staging.nbytes != need):
+            self.release()
+            self.staging = device_helpers(w.ops.name).allocate_staging(
+                w._cache, w.suffix, w.rank, need, w.framework, w.device_id)
+            self.exports = write_json_segment(reshard_exports_name(w.suffix, w.rank), self.staging.descriptor,
+                                              w.suffix)
+        w.signals.cache_ready[w.rank] = 0      # the export describes the old shape from now on
+
+    def _commit(self, seq, kept):
+        w = self.w
+        plan = read_plan(w.suffix)
+        if plan.get("seq") != seq:
+            raise ValueError(f"reshard plan {plan.get('seq')} is not step {seq}")
+        spec, tp = CacheSpec.from_json(plan["new_spec"]), int(plan["to_tp"])
+        if kept and w.spec != spec:
+            device_helpers(w.ops.name).reshape(w._cache, spec, w.rank, w.device_id, w.framework)
+            w.spec = spec
+            w._by_kind = {}
+            for info in spec.tensors(w.rank, w.device_id):
+                w._by_kind.setdefault(info.kind, []).append(w._cache.tensors[info.name])
+            w._export()
+        w.spec, w.tp_size = spec, tp
+        w.signals.resize(tp)
+        self.release()
+        w.signals.cache_ready[w.rank] = 1
+
+    def _abort(self):
+        w = self.w
+        self.release()
+        if w._cache is not None:
+            w.signals.cache_ready[w.rank] = 1
+
+    @staticmethod
+    def forget(cache):
+        """Drop what a reshard kept of a cache that is being freed (the cuda device keeps its first tensors)."""
+        for name in ("bases", "base_bytes"):
+            cache.__dict__.pop(name, None)
+
+    def release(self):
+        """Free the staging buffer and its export (commit, abort, close)."""
+        exports, staging, self.exports, self.staging = self.exports, self.staging, None, None
+        if exports is not None:
+            exports.close()
+        if staging is not None:
+            staging.close()

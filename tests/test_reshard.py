@@ -1,0 +1,546 @@
+"""Liquid resharding (DESIGN §9, issue 11) on the sim device: the plan on its own (every head slice lands,
+in place, for every tp change, also after a crash mid-chunk), then whole deployments (worker processes and
+in-process workers) resharded 1 -> 2 -> 4 -> 2 -> 1 with every live GPU block and used CPU block checked
+bit for bit, bad requests, and ranks killed or stalled in the middle of a step."""
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastcache import SwapBackend, TieredCache, TransferError
+from fastcache.config import CacheSpec
+from fastcache.engine.reshard import (MAX_STAGING_BYTES, Capacity, Plan, compact_map, least, numpy_copy,
+                                      resharded_spec, run_chunks)
+from fastcache.ipc.signal import NORMAL, RESHARDING
+from fastcache.launch import Checks
+from fastcache.tools.liquid import BlockModel, ShmSampler, WorkerProcesses, liquid, shm_now
+from fastcache.transfer.reshard import TEST_PACE
+from fastcache.worker import CacheWorker
+
+from conftest import deployment, round_trip, small_spec
+
+
+# -- the plan, without processes -------------------------------------------------------------------
+def simulate(spec, m, n, live, cpu_live, staging, rng, crash=False):
+    """Run a plan over NumPy memories (one per rank and tensor, and CPU tier), in the waves' order, on the
+    same buffers in place; with crash, every in-place program is cut short at a random copy and resumed
+    from its journal. Returns the plan; asserts every live block's head slices landed."""
+    plan = Plan(spec, m, n, [Capacity.of(spec)] * m, live, cpu_live, staging)
+    new = plan.new_spec
+    mem = {}
+    for r in range(max(m, n)):
+        for sp in plan.spaces:
+            size = max(sp.old_bytes(), sp.new_bytes())
+            mem[plan._ref(sp, r)] = rng.integers(1, 256, size, dtype=np.uint8) if r < m else np.zeros(size, np.uint8)
+        for kind in ("gpu", "cpu"):
+            mem["staging", r, kind] = np.zeros(max(1, plan.staging_bytes_for(r, kind)), np.uint8)
+
+    def block(sp, b, tp, geometry, row):
+        """All heads of block b in space sp: per tensor, the ranks' slices side by side."""
+        if sp.key[0] == "gpu":
+            return np.concatenate([mem[plan._ref(sp, r)][b * row:(b + 1) * row] for r in range(tp)])
+        return np.concatenate([mem[plan._ref(sp, r)][b * row + t.cpu_offset:b * row + t.cpu_offset + t.block_bytes]
+                               for t in geometry.tensors() for r in range(tp)])
+
+    want = {(sp.key, nb): block(sp, ob, m, spec, sp.old_row)
+            for sp in plan.spaces for ob, nb in zip(*plan._pairs(sp))}
+    execute = numpy_copy(lambda ref: mem[ref])
+    for r in range(m):
+        run_chunks(plan.compaction(r), execute)
+    for wave in plan.waves:
+        for r in wave:
+            chunks, journaled = plan.program(r)
+            if not journaled or not crash:
+                run_chunks(chunks, execute)
+                continue
+            state = {"v": 0}
+
+            class Journal:
+                def get(self):
+                    return state["v"]
+
+                def set(self, v):
+                    state["v"] = v
+
+            budget = int(rng.integers(0, 1 + sum(len(c.gather) + len(c.write) for c in chunks)))
+
+            def dying(c):
+                nonlocal budget
+                if budget == 0:
+                    raise InterruptedError
+                budget -= 1
+                execute(c)
+            with pytest.raises(InterruptedError) if budget < sum(len(c.gather) + len(c.write) for c in chunks) \
+                    else _nothing():
+                run_chunks(chunks, dying, Journal())
+            run_chunks(chunks, execute, Journal())          # the replacement resumes from the journal
+    for (key, nb), expected in want.items():
+        sp = next(s for s in plan.spaces if s.key == key)
+        assert np.array_equal(block(sp, nb, n, new, sp.new_row), expected), (key, nb, m, n)
+    return plan
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def divisors(h):
+    return [t for t in range(1, h + 1) if h % t == 0]
+
+
+@pytest.mark.parametrize("heads,dtype,draft", [(4, "bfloat16", 0), (6, "block_wise_fp8", 1), (12, "uint8", 0),
+                                              (8, "float16", 2)])
+def test_every_head_slice_lands_in_place_for_every_tp_change(heads, dtype, draft):
+    rng = np.random.default_rng(heads)
+    for m in divisors(heads):
+        for n in divisors(heads):
+            if m == n:
+                continue
+            blocks = int(rng.integers(3, 12)) * heads // (heads // m)
+            spec = CacheSpec(num_layers=2, num_gpu_blocks=blocks, num_cpu_blocks=max(2, blocks // 2), block_size=2,
+                             num_kv_heads=heads // m, head_dim=3, cache_dtype=dtype, num_extra_layers=draft,
+                             num_extra_gpu_blocks=max(1, blocks - 3) if draft else None)
+            new = resharded_spec(spec, m, n, Capacity.of(spec))
+            live = np.sort(rng.choice(blocks, int(rng.integers(0, min(new.num_gpu_blocks, blocks) + 1)), replace=False))
+            if draft:       # blocks with draft rows must fit below the new draft count
+                with_draft = live[live < spec.num_extra_gpu_blocks]
+                live = np.setdiff1d(live, with_draft[new.num_extra_gpu_blocks // 2:])
+            cpu = np.sort(rng.choice(spec.num_cpu_blocks, int(rng.integers(0, min(new.num_cpu_blocks,
+                                                                                 spec.num_cpu_blocks) + 1)),
+                                     replace=False))
+            staging = int(rng.integers(1, 4)) * max(new.cpu_block_bytes, spec.cpu_block_bytes)
+            simulate(spec, m, n, live, cpu, staging, rng, crash=True)
+
+
+def test_rows_shrink_in_ascending_order_and_grow_in_descending_order_through_bounded_staging():
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=20, num_kv_heads=4)
+    out = Plan(spec, 1, 2, [Capacity.of(spec)], range(40), range(20), staging_bytes=4096)
+    chunks, journaled = out.program(0)
+    assert journaled and chunks
+    firsts = [c.write[0].dst_rows[0] for c in chunks if c.write[0].dst[0] == "gpu" and c.write[0].dst[2] == 0]
+    assert firsts == sorted(firsts)                      # scale-out: ascending
+    assert all(len(c.write[0].dst_rows) * out.spaces[0].new_row <= 4096 for c in chunks if c.write[0].dst[0] == "gpu")
+    back = Plan(out.new_spec, 2, 1, [Capacity.of(spec)] * 2, range(20), range(10), staging_bytes=4096)
+    chunks, _ = back.program(0)
+    firsts = [c.write[0].dst_rows[0] for c in chunks if c.write[0].dst[0] == "gpu" and c.write[0].dst[2] == 0]
+    assert firsts == sorted(firsts, reverse=True)        # scale-in: descending
+    assert back.program(1) == ([], False) and back.waves == [[0]]
+    assert out.waves == [[1], [0]] and out.fresh == [1] and back.retired == [1]
+    assert Plan(spec, 1, 4, [Capacity.of(spec)], range(40)).waves == [[1, 2, 3], [0]]
+    two = resharded_spec(spec, 1, 2, Capacity.of(spec))
+    assert Plan(two, 2, 4, [Capacity.of(spec)] * 2, range(80)).waves == [[2, 3], [1], [0]]
+    four = resharded_spec(spec, 1, 4, Capacity.of(spec))
+    assert Plan(four, 4, 2, [Capacity.of(spec)] * 4, range(80)).waves == [[0], [1]]
+
+
+def test_block_maps_keep_ids_that_fit_and_compact_the_rest():
+    assert compact_map(np.array([1, 5, 9]), 10).tolist() == [1, 5, 9]
+    assert compact_map(np.array([1, 5, 9, 12, 13]), 10).tolist() == [1, 5, 9, 0, 2]
+    with pytest.raises(ValueError, match="cannot fit"):
+        compact_map(np.arange(11), 10)
+    # blocks with draft-layer rows (below 6 before, below 3 after) keep them
+    assert compact_map(np.array([0, 4, 7]), 8, old_draft=6, new_draft=3).tolist() == [0, 1, 7]
+    with pytest.raises(ValueError, match="draft-layer rows"):
+        compact_map(np.array([0, 1, 2, 4]), 8, old_draft=6, new_draft=3)
+    # capacity is counted in head-blocks: 10 blocks of 3 heads -> 15 of 2 -> back to 10 (not 7)
+    spec = small_spec(num_gpu_blocks=10, num_cpu_blocks=5, num_kv_heads=3)
+    cap = Capacity.of(spec)
+    two = resharded_spec(spec, 2, 3, cap)
+    assert (two.num_kv_heads, two.num_gpu_blocks, two.num_cpu_blocks) == (2, 15, 7)
+    assert resharded_spec(two, 3, 2, least([cap, cap])).num_gpu_blocks == 10
+
+
+# -- deployments ------------------------------------------------------------------------------------
+class InProcessWorkers:
+    """start_workers/stop_workers over CacheWorkers in this process."""
+
+    def __init__(self, backend, workers):
+        self.backend = backend
+        self.workers = dict(enumerate(workers))
+
+    def start(self, ranks, spec):
+        for r in ranks:
+            self.workers[r] = CacheWorker(spec, rank=r, tp_size=self.backend.resharding.to_tp, device="sim",
+                                          suffix=self.backend.suffix).start()
+
+    def stop(self, ranks):
+        for r in ranks:
+            self.workers.pop(r).close()
+
+    def ranks(self):
+        return [self.workers[r] for r in sorted(self.workers)]
+
+    def close(self):
+        for w in self.workers.values():
+            w.close()
+
+
+def test_liquid_cycles_with_worker_processes_keep_every_block_bit_for_bit():
+    """tp 1 -> 2 -> 4 -> 2 -> 1, twice, worker processes: after every step every live GPU block and used CPU
+    block is checked on every rank, then swaps and a clear/restore; /dev/shm never holds a second cache."""
+    spec = small_spec(num_layers=2, num_gpu_blocks=32, num_cpu_blocks=16, num_kv_heads=4, block_size=4, head_dim=16)
+    rng = np.random.default_rng(11)
+    with SwapBackend(spec, tp_size=1, device="sim") as backend:
+        workers = WorkerProcesses(backend)
+        try:
+            workers.start([0])
+            backend.wait_ready(timeout=60)
+            checks, report = Checks(), {}
+            steps = liquid(backend, workers, [1, 2, 4, 2, 1], 2, rng, checks, report, log=lambda *_: None)
+            assert not checks.failed, checks.failed
+            assert [(s["from_tp"], s["to_tp"]) for s in steps] == [(1, 2), (2, 4), (4, 2), (2, 1)] * 2
+            assert [s["gpu_blocks_per_rank"] for s in steps[:4]] == [[32, 64], [64, 128], [128, 64], [64, 32]]
+            assert all(s["bytes_moved"] > 0 and s["shm_samples"] > 0 for s in steps)
+            assert backend.tp_size == 1 and backend.spec == spec and len(workers.procs) == 1
+        finally:
+            workers.close()
+
+
+def test_draft_layers_and_fp8_scales_are_resharded_with_in_process_workers():
+    spec = small_spec(num_gpu_blocks=24, num_cpu_blocks=12, num_kv_heads=6, cache_dtype="block_wise_fp8",
+                      num_extra_layers=1, num_extra_gpu_blocks=18)
+    rng = np.random.default_rng(12)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            checks, report = Checks(), {}
+            liquid(backend, _Callbacks(pool), [1, 3, 6, 2, 1], 1, rng, checks, report, log=lambda *_: None)
+            assert not checks.failed, checks.failed
+            assert [s["to_tp"] for s in report["reshard_steps"]] == [3, 6, 2, 1]
+        finally:
+            pool.close()
+
+
+class _Callbacks:
+    """WorkerProcesses' interface over in-process workers (liquid() calls start/stop)."""
+
+    def __init__(self, pool):
+        self.start, self.stop = pool.start, pool.stop
+
+
+def test_workers_tensors_become_views_of_the_new_shape():
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            k0 = workers[0].key_caches[0]
+            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+            assert block_map == {b: b for b in range(16)}
+            assert (new.num_kv_heads, new.num_gpu_blocks, new.num_cpu_blocks) == (2, 32, 16)
+            for w in pool.ranks():
+                assert w.spec == new and w.tp_size == 2
+                assert [t.shape for t in w.key_caches] == [(32, 2, 4, 8)] * spec.num_layers
+            view = pool.ranks()[0].key_caches[0]
+            assert np.shares_memory(view, k0)                # the same memory, another shape
+            assert view.ctypes.data == k0.ctypes.data
+            round_trip(backend, pool.ranks(), np.random.default_rng(1))
+            again, _ = backend.reshard(2, timeout=60)         # the same tp: nothing to do
+            assert again == new and backend.status == NORMAL
+        finally:
+            pool.close()
+
+
+def test_bad_requests_are_refused_before_anything_changes():
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=2)
+    rng = np.random.default_rng(3)
+    with deployment(spec, tp=2) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        pids = backend.transfer_pids
+        cb = dict(start_workers=pool.start, stop_workers=pool.stop)
+        bad = [
+            (dict(tp_size=3, **cb), "does not divide the 4 KV heads"),
+            (dict(tp_size=0, **cb), ">= 1"),
+            (dict(tp_size=-2, **cb), ">= 1"),
+            (dict(tp_size=True, **cb), "must be an int"),
+            (dict(tp_size="4", **cb), "must be an int"),
+            (dict(tp_size=8, **cb), "does not divide"),
+            (dict(tp_size=1, **cb), "cannot fit"),                       # 32 live blocks, 16 after
+            (dict(tp_size=1, live_blocks=range(9), **cb), "cannot fit"),
+            (dict(tp_size=1, live_blocks=[3, 3], **cb), "more than once"),
+            (dict(tp_size=1, live_blocks=[16], **cb), "out of range"),
+            (dict(tp_size=1, live_blocks=[-1], **cb), "out of range"),
+            (dict(tp_size=1, live_blocks="0", **cb), "sequence of ints"),
+            (dict(tp_size=4, start_workers=None, stop_workers=pool.stop), "start_workers"),
+            (dict(tp_size=1, live_blocks=[0], start_workers=pool.start, stop_workers=None), "stop_workers"),
+            (dict(tp_size=4, staging_bytes=MAX_STAGING_BYTES + 1, **cb), "staging_bytes"),
+            (dict(tp_size=4, staging_bytes=16, **cb), "smaller than one row"),
+            (dict(tp_size=4, device_ids=[0, 1, 2], **cb), "device_ids"),
+            (dict(tp_size=4, device_ids=[1, 0, 2, 3], **cb), "keeps its device"),
+        ]
+        for kwargs, message in bad:
+            with pytest.raises(ValueError, match=message):
+                backend.reshard(timeout=30, **kwargs)
+            assert backend.status == NORMAL and backend.spec == spec and backend.tp_size == 2
+            assert backend.transfer_pids == pids
+        held = backend.allocate_cpu_blocks(5)      # 5 used CPU blocks cannot fit in the 4 a rank holds at tp 1
+        with pytest.raises(ValueError, match="live CPU blocks cannot fit"):
+            backend.reshard(1, live_blocks=[0], **cb)
+        backend.free_cpu_blocks(held)
+        round_trip(backend, workers, rng)
+
+
+def test_swaps_are_refused_during_a_step_and_tasks_in_flight_finish_first(monkeypatch):
+    monkeypatch.setenv(TEST_PACE, "0:0.05")
+    spec = small_spec(num_gpu_blocks=256, num_cpu_blocks=256, num_kv_heads=2, head_dim=64)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            handles = [backend.swap_out(np.arange(i, 256, 8), np.arange(i, 256, 8)) for i in range(8)]
+            refused = []
+
+            def swap_meanwhile():
+                while backend.status != RESHARDING:
+                    time.sleep(0.001)
+                try:
+                    backend.swap_out([0], [0])
+                except TransferError as exc:
+                    refused.append(str(exc))
+            thread = threading.Thread(target=swap_meanwhile)
+            thread.start()
+            backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60, staging_bytes=1 << 16)
+            thread.join()
+            for h in handles:
+                h.result(timeout=0)          # every one finished, and successfully, before the step moved a byte
+            assert refused and "RESHARDING" in refused[0]
+        finally:
+            pool.close()
+
+
+def _full(backend):
+    """Every GPU block, all heads, per tensor (BlockModel over everything)."""
+    model = BlockModel(backend, np.random.default_rng(0))
+    model.attach()
+    return model
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_rank_killed_or_stalled_mid_step_fails_naming_it_and_restart_then_reshard_again_recovers(monkeypatch, how):
+    monkeypatch.setenv(TEST_PACE, "0:0.1")
+    spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=16, num_kv_heads=4, head_dim=32)
+    rng = np.random.default_rng(21)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            model = BlockModel(backend, rng)
+            model.attach()
+            model.fill(range(spec.num_gpu_blocks))
+            model.swap_round(6)
+            model.detach()
+            victim = backend.transfer_pids[0]
+            progress = backend.signals.reshard_progress
+
+            done = threading.Event()
+
+            def strike():
+                while progress[0, 1] < 3:       # rank 0 is rewriting its memory in place: no way back
+                    if done.wait(0.005):
+                        return
+                os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            thread = threading.Thread(target=strike)
+            thread.start()
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(TransferError, match="rank 0") as info:
+                    backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=4,
+                                    staging_bytes=4096)
+            finally:
+                done.set()
+                thread.join()
+            assert time.monotonic() - t0 < 8
+            if how == "stop":
+                assert "did not finish" in str(info.value) or "stopped answering" in str(info.value)
+            assert backend.status == RESHARDING                # pending: swaps stay refused
+            with pytest.raises(TransferError, match="RESHARDING"):
+                backend.swap_out([0], [0])
+            with pytest.raises(TransferError, match="pending"):
+                backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop)
+            monkeypatch.delenv(TEST_PACE)
+            backend.restart_rank(0)                          # kills the stalled process first
+            new, block_map = backend.reshard(2, timeout=60)   # resumes from rank 0's journal
+            assert backend.status == NORMAL and new.num_kv_heads == 2
+            model.remap(block_map, backend.last_reshard["cpu_block_map"])
+            model.attach()
+            assert model.check() == []
+            assert model.swap_round(4) == 4 and model.check() == []
+            model.detach()
+        finally:
+            if how == "stop":
+                try:
+                    os.kill(victim, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            pool.close()
+
+
+def test_a_failure_before_any_rank_overwrote_old_rows_leaves_the_old_layout_in_service():
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(5)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            model = BlockModel(backend, rng)
+            model.attach()
+            model.fill(range(16))
+            model.swap_round(4)
+
+            def broken_start(ranks, new_spec):
+                pool.start(ranks, new_spec)
+                raise RuntimeError("no GPU for rank 1")
+            with pytest.raises(TransferError, match="no GPU for rank 1"):
+                backend.reshard(2, start_workers=broken_start, stop_workers=pool.stop, timeout=30)
+            assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
+            assert sorted(pool.workers) == [0]                # the new rank was stopped again
+            assert model.check() == []
+            assert model.swap_round(4) == 4 and model.check() == []
+            model.detach()
+            # a worker that cannot allocate its staging buffer aborts the prepare barrier at once
+            real = workers[0]._reshard.poll
+
+            def no_memory():
+                from fastcache.worker import reshard as wr
+                original = wr.device_helpers
+
+                def failing(device):
+                    helpers = original(device)
+
+                    class Failing:
+                        reshape = helpers.reshape
+
+                        @staticmethod
+                        def allocate_staging(*args):
+                            raise MemoryError("no memory for the staging buffer")
+                    return Failing
+                wr.device_helpers = failing
+                try:
+                    real()
+                finally:
+                    wr.device_helpers = original
+            workers[0]._reshard.poll = no_memory
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="worker rank 0 reported a failure"):
+                backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+            assert time.monotonic() - t0 < 5
+            workers[0]._reshard.poll = real
+            assert backend.status == NORMAL and backend.tp_size == 1
+            model.attach()
+            assert model.check() == []
+            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+            model.remap(block_map, backend.last_reshard["cpu_block_map"])
+            model.attach()
+            assert model.check() == [] and new.num_kv_heads == 2
+            model.detach()
+        finally:
+            pool.close()
+
+
+def test_the_cpu_tier_is_compacted_on_a_scale_in_and_the_allocator_follows():
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=16, num_kv_heads=2)
+    rng = np.random.default_rng(8)
+    with deployment(spec, tp=2) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            model = BlockModel(backend, rng)
+            model.attach()
+            model.fill(range(8))
+            held = backend.allocate_cpu_blocks(16)
+            backend.free_cpu_blocks(held[:5] + held[7:13])       # used: 5, 6, 13, 14, 15
+            model.swapped_out([0, 1, 2, 3, 4], [5, 6, 13, 14, 15])
+            backend.swap_out([0, 1, 2, 3, 4], [5, 6, 13, 14, 15]).result(timeout=10)
+            new, block_map = backend.reshard(1, live_blocks=range(8), start_workers=pool.start,
+                                             stop_workers=pool.stop, timeout=30)
+            cpu_map = backend.last_reshard["cpu_block_map"]
+            assert new.num_cpu_blocks == 8 and cpu_map == {5: 5, 6: 6, 13: 0, 14: 1, 15: 2}
+            assert backend.allocator.used_ids() == {0, 1, 2, 5, 6} and backend.allocator.num_free == 3
+            model.remap(block_map, cpu_map)
+            model.attach()
+            assert model.check() == []
+            model.detach()
+        finally:
+            pool.close()
+
+
+def test_a_tiered_cache_keeps_its_entries_through_scale_out_and_scale_in():
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=16, num_kv_heads=4)
+    rng = np.random.default_rng(9)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            model = BlockModel(backend, rng)
+            model.attach()
+            model.fill(range(16))
+            cache = TieredCache(backend, namespace="m/0", capacity=12)
+            hashes = [int(h) for h in rng.integers(1, 2**62, 6)]
+            cache.store(hashes, list(range(6))).result(timeout=10)
+            want = {h: model.gpu[b] for h, b in zip(hashes, range(6))}
+            model.detach()
+            steps = [(2, None), (4, None), (1, range(10, 16))]
+            for tp, live in steps:
+                backend.reshard(tp, live_blocks=live, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+                assert cache.lookup(hashes) == 6
+                dst = rng.choice(backend.spec.num_gpu_blocks, 6, replace=False)
+                cache.load(hashes, dst).result(timeout=10)
+                model = BlockModel(backend, rng)
+                model.attach()
+                got = model
+                for h, b in zip(hashes, dst.tolist()):
+                    got.gpu[b] = want[h]
+                assert model.check() == [], tp
+                model.detach()
+            # the tier shrank 16 -> 16*4/16... per rank at tp 1: 16 blocks; the quota never exceeds the tier
+            assert cache.capacity <= backend.spec.num_cpu_blocks
+            extra = [int(h) for h in rng.integers(1, 2**62, 3)]
+            cache.store(extra, [10, 11, 12]).result(timeout=10)
+            assert cache.lookup(hashes) == 6 and cache.lookup(extra) == 3
+            cache.close()
+        finally:
+            pool.close()
+
+
+def test_peak_shared_memory_during_a_step_is_the_cache_plus_staging():
+    """In place: a scale-out adds only the new ranks' memory, a scale-in only the staging buffers."""
+    spec = small_spec(num_layers=4, num_gpu_blocks=128, num_cpu_blocks=64, num_kv_heads=2, head_dim=64)
+    rng = np.random.default_rng(13)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            model = BlockModel(backend, rng)
+            model.attach()
+            model.fill(range(128))                   # every page of the cache
+            model.swap_round(8)
+            model.touch()
+            model.detach()
+            one_rank = shm_now(backend, nominal=True)
+            with ShmSampler(backend.suffix, every=0.0005) as sampler:
+                new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60,
+                                                 staging_bytes=64 << 10)
+            r = backend.last_reshard
+            staging = sum(r["staging_bytes"].values()) + sum(r["cpu_staging_bytes"].values())
+            assert 0 < staging <= 2 * (64 << 10)
+            assert sampler.peak <= 2 * one_rank + staging + (256 << 10), (sampler.peak, one_rank, staging)
+            model.remap(block_map, r["cpu_block_map"])
+            model.attach()
+            assert model.check() == []
+            live = sorted(model.gpu)[:64]
+            model.gpu = {b: model.gpu[b] for b in live}
+            model.touch()
+            model.detach()
+            two_ranks = shm_now(backend, nominal=True)
+            with ShmSampler(backend.suffix, every=0.0005) as sampler:
+                new, block_map = backend.reshard(1, live_blocks=live, start_workers=pool.start,
+                                                 stop_workers=pool.stop, timeout=60, staging_bytes=64 << 10)
+            staging = sum(backend.last_reshard["staging_bytes"].values()) + \
+                sum(backend.last_reshard["cpu_staging_bytes"].values())
+            assert sampler.peak <= two_ranks + staging + (256 << 10), (sampler.peak, two_ranks, staging)
+            model.remap(block_map, backend.last_reshard["cpu_block_map"])
+            model.attach()
+            assert model.check() == []
+            model.detach()
+        finally:
+            pool.close()
