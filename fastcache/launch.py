@@ -66,6 +66,11 @@ def build_parser():
     g.add_argument("--latency-samples", type=int, default=300, help="one-block round trips timed")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    g.add_argument("--reshard", metavar="TPS", default=None,
+                   help="liquid resharding instead of the swap workload: tp sizes to go through, e.g. 1,2,4,2,1 "
+                        "(the first is the starting tp; --num-kv-heads is per rank at it); every block verified "
+                        "after every step (DESIGN §9)")
+    g.add_argument("--reshard-cycles", type=int, default=2, help="times to go through the --reshard tp sizes")
     g.add_argument("--inject-corruption", action="store_true",
                    help="flip one byte behind fastcache's back, to see a check fail (exit status 1)")
     return p
@@ -468,6 +473,14 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"fastcache.launch: {exc}", file=sys.stderr)
         return 2
+    if args.reshard:        # liquid resharding (fastcache/tools/liquid.py): the first tp size is the start
+        from .tools.liquid import parse_tps
+        try:
+            args.reshard = parse_tps(args.reshard, args.reshard_cycles, spec.num_kv_heads)
+        except ValueError as exc:
+            print(f"fastcache.launch: --reshard: {exc}", file=sys.stderr)
+            return 2
+        args.tp = args.reshard[0]
     rng = np.random.default_rng(args.seed)
     checks = Checks()
     report = {"tp": args.tp, "device": device, "framework": framework, "tensors": len(spec.tensors()),
@@ -487,6 +500,9 @@ def main(argv=None) -> int:
         except (ValueError, StoreError) as exc:
             print(f"fastcache.launch: {exc}", file=sys.stderr)
             return 2
+        if args.reshard:
+            from .tools.liquid import run_liquid
+            return run_liquid(backend, args, framework, rng, checks, report)
         return run(backend, args, spec, device, framework, rng, checks, report, workers)
 
 

@@ -544,3 +544,24 @@ def test_peak_shared_memory_during_a_step_is_the_cache_plus_staging():
             model.detach()
         finally:
             pool.close()
+
+
+def test_the_launcher_runs_liquid_cycles_and_reports_every_step(tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "fastcache.launch", "--reshard", "1,2,1", "--reshard-cycles", "1",
+                           "--num-layers", "2", "--num-gpu-blocks", "32", "--num-cpu-blocks", "16",
+                           "--num-kv-heads", "2", "--head-dim", "16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "liquid reshard report" in proc.stdout and "0 failed: PASSED" in proc.stdout
+    report = json.loads(out.read_text())
+    steps = report["reshard_steps"]
+    assert [(s["from_tp"], s["to_tp"]) for s in steps] == [(1, 2), (2, 1)]
+    assert all(s["bytes_moved"] > 0 and s["gbps"] > 0 and s["shm_peak_mib"] <= s["shm_limit_mib"] for s in steps)
+    assert [s["gpu_blocks_per_rank"] for s in steps] == [[32, 64], [64, 32]]
+    bad = subprocess.run([sys.executable, "-m", "fastcache.launch", "--reshard", "1,3,1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "do not divide the 4 KV heads" in bad.stderr

@@ -172,6 +172,21 @@ class BlockModel:
         self.swapped_in(dst, cpu)
         return n
 
+    def swap_out_more(self, n: int):
+        """Swap n more live blocks out to CPU blocks scattered over the tier (twice as many allocated, a
+        random half given back), so that a scale-in has CPU blocks to compact."""
+        b = self.b
+        n = min(n, len(self.gpu), b.allocator.num_free // 2)
+        if n <= 0:
+            return 0
+        held = b.allocate_cpu_blocks(2 * n)
+        keep = sorted(self.rng.choice(held, n, replace=False).tolist())
+        b.free_cpu_blocks(sorted(set(held) - set(keep)))
+        src = self.rng.choice(sorted(self.gpu), n, replace=False)
+        b.swap_out(src, keep).result(timeout=60)
+        self.swapped_out(src, keep)
+        return n
+
     def trim(self, gpu_keep: int, cpu_keep: int):
         """Forget (and free) blocks so that at most gpu_keep GPU and cpu_keep CPU blocks stay live."""
         for blk in self.rng.permutation(sorted(self.gpu))[:max(0, len(self.gpu) - gpu_keep)].tolist():
@@ -210,6 +225,55 @@ class ShmSampler:
         self.peak = max(self.peak, self._bytes(self.suffix))
 
 
+class CacheCheck:
+    """A TieredCache over the deployment through the steps: entries stored before a step must be found and load
+    the same bytes after it (their CPU blocks were resharded and renamed under the cache)."""
+
+    def __init__(self, backend, model: BlockModel, capacity: int):
+        from ..engine import TieredCache
+        self.model, self.rng, self.b = model, model.rng, backend
+        self.generation = 0
+        self.cache = TieredCache(backend, namespace=self._namespace(), capacity=capacity)
+        self.stored = {}            # hash -> per tensor full-head rows
+        self.loaded = 0
+
+    def _namespace(self):
+        return f"liquid/{self.b.suffix}/{self.generation}"
+
+    def store(self, n):
+        live = sorted(self.model.gpu)
+        n = min(n, len(live), self.cache.capacity)
+        blocks = self.rng.choice(live, n, replace=False).tolist()
+        hashes = [int(h) for h in self.rng.integers(1, 2**62, n)]
+        self.cache.store(hashes, blocks).result(timeout=60)
+        self.stored.update({h: list(self.model.gpu[b]) for h, b in zip(hashes, blocks)})
+
+    def load_and_check(self) -> bool:
+        """Load every entry still held into fresh GPU blocks (which become live in the model)."""
+        held = [h for h in self.stored if self.cache.lookup([h]) == 1]
+        self.stored = {h: self.stored[h] for h in held}
+        if not held:
+            return True
+        dst = self.rng.choice(self.b.spec.num_gpu_blocks, len(held), replace=False).tolist()
+        self.cache.load(held, dst).result(timeout=60)
+        for h, g in zip(held, dst):
+            rows = list(self.stored[h])
+            for t, info in enumerate(self.b.spec.tensors()):
+                if g >= info.num_blocks:
+                    rows[t] = None
+            self.model.gpu[g] = rows
+        self.loaded += len(held)
+        return not self.model.check()
+
+    def cleared(self):
+        self.generation += 1
+        self.cache.namespace = self._namespace()        # new weights: a namespace never used before
+        self.stored = {}
+
+    def close(self):
+        self.cache.close()
+
+
 def blocks_at(backend, tp):
     """(GPU, CPU) blocks a rank holds at tp."""
     from ..engine.reshard import least
@@ -229,10 +293,13 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
     cpu_keep = max(1, min(blocks_at(backend, tp)[1] for tp in tps) // 2)
     model.fill(range(backend.spec.num_gpu_blocks))     # every page of the cache written, random
     model.swap_round(min(swap_blocks, cpu_keep))
+    tiered = CacheCheck(backend, model, capacity=max(1, cpu_keep // 2))
     steps = []
     path = list(tps[1:]) * cycles
     for k, tp in enumerate(path):
-        model.trim(gpu_keep, cpu_keep)
+        model.trim(max(1, gpu_keep - tiered.cache.capacity), cpu_keep)
+        model.swap_out_more(cpu_keep - len(model.cpu))
+        tiered.store(tiered.cache.capacity // 2)
         model.touch()
         model.detach()
         before, before_nominal = shm_now(backend), shm_now(backend, nominal=True)
@@ -260,16 +327,21 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
         moved = model.swap_round(swap_blocks)
         bad = model.check()
         checks.check(not bad and moved > 0, f"step {k + 1}: swaps after the step ({moved} blocks each way)")
+        entries = len(tiered.stored)
+        checks.check(tiered.load_and_check() and entries > 0,
+                     f"step {k + 1}: the TieredCache's {entries} entries load their bytes after the step")
         if clear:
             model.detach()
             backend.clear_caches(timeout=60)
             backend.restore_caches(timeout=60)
             model.gpu, model.cpu = {}, {}        # a clear drops every cached block (and the allocator)
+            tiered.cleared()
             model.attach()
             model.fill(rng.choice(new.num_gpu_blocks, min(gpu_keep, new.num_gpu_blocks), replace=False))
             moved = model.swap_round(min(swap_blocks, cpu_keep))
             checks.check(not model.check() and moved > 0, f"step {k + 1}: clear/restore and swaps after it")
         step = {"from_tp": r["from_tp"], "to_tp": tp, "seconds": seconds, "move_seconds": r["move_seconds"],
+                "memcpy_gbps": memcpy_gbps(r["bytes_moved"]),
                 "bytes_moved": r["bytes_moved"], "gbps": r["gbps"], "bytes_by_source": r["bytes_by_source"],
                 "gpu_blocks_per_rank": r["gpu_blocks_per_rank"], "cpu_blocks_per_rank": r["cpu_blocks_per_rank"],
                 "live_gpu_blocks": r["live_gpu_blocks"], "live_cpu_blocks": r["live_cpu_blocks"],
@@ -278,13 +350,28 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
                 "shm_peak_mib": sampler.peak / 2**20, "staging_mib": staging / 2**20, "shm_samples": sampler.samples}
         steps.append(step)
         log(f"  step {k + 1}: tp {r['from_tp']} -> {tp}: {r['bytes_moved'] / 2**20:.1f} MiB moved in "
-            f"{r['move_seconds'] * 1e3:.1f} ms ({r['gbps']:.2f} GB/s; step {seconds * 1e3:.0f} ms), GPU blocks per rank "
+            f"{r['move_seconds'] * 1e3:.1f} ms ({r['gbps']:.2f} GB/s, one memcpy {step['memcpy_gbps']:.2f}; step "
+            f"{seconds * 1e3:.0f} ms), GPU blocks per rank "
             f"{r['gpu_blocks_per_rank'][0]} -> {r['gpu_blocks_per_rank'][1]}, /dev/shm peak {sampler.peak / 2**20:.1f} "
             f"MiB (limit {limit / 2**20:.1f})")
     model.detach()
+    tiered.close()
+    report["reshard_tiered_loaded"] = tiered.loaded
     report["reshard_steps"] = steps
     report["reshard_heads"] = heads
     return steps
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    """GB/s of one host memcpy of nbytes (pages touched first), the sim device's reference rate."""
+    src = np.ones(max(1, nbytes), np.uint8)
+    dst = np.ones_like(src)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = max(best, src.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def shm_now(backend, nominal=False):
@@ -304,7 +391,8 @@ def shm_now(backend, nominal=False):
     return total
 
 
-def parse_tps(text: str, cycles: int) -> list[int]:
+def parse_tps(text: str, cycles: int, heads_per_rank: int | None = None) -> list[int]:
+    """The --reshard tp sizes; ValueError (the launcher exits 2) for ones a reshard would refuse."""
     try:
         tps = [int(x) for x in text.split(",")]
     except ValueError:
@@ -317,6 +405,12 @@ def parse_tps(text: str, cycles: int) -> list[int]:
         raise ValueError("--reshard-cycles must be >= 1")
     if cycles > 1 and tps[-1] != tps[0]:
         raise ValueError("to repeat the cycle it must end at the tp it starts with")
+    if heads_per_rank is not None:
+        heads = heads_per_rank * tps[0]
+        wrong = [t for t in tps if heads % t]
+        if wrong:
+            raise ValueError(f"tp sizes {wrong} do not divide the {heads} KV heads ({heads_per_rank} per rank at "
+                             f"tp {tps[0]})")
     return tps
 
 
@@ -357,12 +451,12 @@ def print_liquid(report, checks):
     print(f"  deployment      device={report['device']} framework={report['framework']}, "
           f"{report.get('reshard_heads', '?')} KV heads, per rank at the start: {report['gpu_cache_mib']:.1f} MiB "
           f"GPU, {report['cpu_cache_mib']:.1f} MiB CPU tier, {report['tensors']} tensors")
-    print("  step  tp      moved MiB  move ms    GB/s   step ms  GPU blocks/rank  CPU blocks/rank  live GPU/CPU  "
+    print("  step  tp      moved MiB  move ms    GB/s  (memcpy)  step ms  GPU blocks/rank  CPU blocks/rank  live GPU/CPU  "
           "shm peak/limit MiB")
     for k, s in enumerate(report.get("reshard_steps", [])):
         limit = s["shm_limit_mib"]
         print(f"  {k + 1:>4}  {s['from_tp']}->{s['to_tp']:<4} {s['bytes_moved'] / 2**20:>9.1f}  "
-              f"{s['move_seconds'] * 1e3:>7.1f}  {s['gbps']:>6.2f}  {s['seconds'] * 1e3:>8.0f}  "
+              f"{s['move_seconds'] * 1e3:>7.1f}  {s['gbps']:>6.2f}  ({s['memcpy_gbps']:>5.2f})  {s['seconds'] * 1e3:>7.0f}  "
               f"{s['gpu_blocks_per_rank'][0]:>6} -> {s['gpu_blocks_per_rank'][1]:<6}  "
               f"{s['cpu_blocks_per_rank'][0]:>6} -> {s['cpu_blocks_per_rank'][1]:<6}  "
               f"{s['live_gpu_blocks']:>5}/{s['live_cpu_blocks']:<5}  {s['shm_peak_mib']:.1f}/{limit:.1f}")

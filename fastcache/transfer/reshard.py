@@ -69,6 +69,7 @@ class ReshardRunner:
     def on_message(self, header, ids):
         m = self.m
         step = header["step"]
+        began = time.perf_counter()
         try:
             body, plan = decode_step(header, ids)
         except ValueError as exc:
@@ -78,7 +79,7 @@ class ReshardRunner:
         if step == "prepare":
             m.phase = "reshard_prepare"         # _advance meets the barrier once no task is in flight
         elif step == "move":
-            self._move(body, plan)
+            self._move(body, plan, time.perf_counter() - began)
         elif step == "commit":
             try:
                 spec = CacheSpec.from_json(body["new_spec"])
@@ -115,9 +116,10 @@ class ReshardRunner:
         finally:
             m.release_swap = saved
 
-    def _move(self, body, plan):
+    def _move(self, body, plan, planned: float = 0.0):
         m = self.m
         start = time.perf_counter()
+        copying = 0.0
         role = body.get("role")
         try:
             if role not in ("compact", "program"):
@@ -127,6 +129,7 @@ class ReshardRunner:
             self._detach_all()
             memory = _memory(m.ops.name, m.suffix, plan, m.device_id)
             flush = _paced(memory.flush, m.rank)
+            copying = time.perf_counter()
             try:
                 if role == "compact":
                     run_chunks(plan.compaction(m.rank), memory.execute, flush=flush)
@@ -135,13 +138,15 @@ class ReshardRunner:
                     journal = Journal(m.signals.reshard_progress, m.rank, int(body["seq"])) if journaled else None
                     run_chunks(chunks, memory.execute, journal, flush=flush)
             finally:
+                copying = time.perf_counter() - copying
                 memory.close()
         except Exception as exc:        # a failed step fails this rank's part, never the process
             log.error("rank %d: reshard %s failed: %s", m.rank, role, exc)
             m._send("phase_failed", phase="reshard_move", rank=m.rank,
                     error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
             return
-        log.info("rank %d: reshard %s done in %.3f s", m.rank, role, time.perf_counter() - start)
+        log.info("rank %d: reshard %s done in %.3f s (plan %.3f s, programs and copies %.3f s)", m.rank, role,
+                 time.perf_counter() - start + planned, planned, copying)
         m._send("phase_done", phase="reshard_move", rank=m.rank)
 
 
