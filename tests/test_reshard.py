@@ -565,3 +565,48 @@ def test_the_launcher_runs_liquid_cycles_and_reports_every_step(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fastcache.launch", "--reshard", "1,3,1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "do not divide the 4 KV heads" in bad.stderr
+
+
+def test_a_new_rank_killed_while_it_fills_its_memory_rolls_back_to_the_old_layout(monkeypatch):
+    """The new rank's program only writes its own, new memory: killing it loses nothing, the step rolls back."""
+    monkeypatch.setenv(TEST_PACE, "1:0.1")
+    spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=16, num_kv_heads=4, head_dim=32)
+    rng = np.random.default_rng(31)
+    with deployment(spec, tp=1) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            model = BlockModel(backend, rng)
+            model.attach()
+            model.fill(range(spec.num_gpu_blocks))
+            model.swap_round(6)
+            model.detach()
+            killed = []
+
+            def start_then_kill_later(ranks, new_spec):
+                pool.start(ranks, new_spec)
+                proc = backend._procs[1]
+
+                def later():
+                    time.sleep(0.5)     # rank 1 is in the middle of its (paced) program by then
+                    proc.kill()
+                    killed.append(proc.pid)
+                threading.Thread(target=later, daemon=True).start()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="rank 1"):
+                backend.reshard(2, start_workers=start_then_kill_later, stop_workers=pool.stop, timeout=20,
+                                staging_bytes=4096)
+            assert killed and time.monotonic() - t0 < 10
+            assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
+            assert sorted(pool.workers) == [0] and len(backend.transfer_pids) == 1
+            model.attach()
+            assert model.check() == []
+            assert model.swap_round(4) == 4 and model.check() == []
+            model.detach()
+            monkeypatch.delenv(TEST_PACE)
+            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+            model.remap(block_map, backend.last_reshard["cpu_block_map"])
+            model.attach()
+            assert model.check() == []
+            model.detach()
+        finally:
+            pool.close()

@@ -128,15 +128,15 @@ class ReshardRunner:
                 raise ValueError("tasks are still in flight")
             self._detach_all()
             memory = _memory(m.ops.name, m.suffix, plan, m.device_id)
-            flush = _paced(memory.flush, m.rank)
+            execute, flush = _paced(memory.execute, m.rank), _paced(memory.flush, m.rank)
             copying = time.perf_counter()
             try:
                 if role == "compact":
-                    run_chunks(plan.compaction(m.rank), memory.execute, flush=flush)
+                    run_chunks(plan.compaction(m.rank), execute, flush=flush)
                 else:
                     chunks, journaled = plan.program(m.rank)
                     journal = Journal(m.signals.reshard_progress, m.rank, int(body["seq"])) if journaled else None
-                    run_chunks(chunks, memory.execute, journal, flush=flush)
+                    run_chunks(chunks, execute, journal, flush=flush)
             finally:
                 copying = time.perf_counter() - copying
                 memory.close()
@@ -150,22 +150,22 @@ class ReshardRunner:
         m._send("phase_done", phase="reshard_move", rank=m.rank)
 
 
-TEST_PACE = "FASTCACHE_TEST_RESHARD_PACE"     # RANK:SECONDS, tests only: rank sleeps after every chunk step
+TEST_PACE = "FASTCACHE_TEST_RESHARD_PACE"     # RANK:SECONDS, tests only: rank sleeps after every copy and flush
 
 
-def _paced(flush, rank: int):
-    """flush, slowed down for fault-injection tests (a rank killed or stalled in the middle of its program)."""
+def _paced(call, rank: int):
+    """call, slowed down for fault-injection tests (a rank killed or stalled in the middle of its program)."""
     raw = os.environ.get(TEST_PACE, "")
     try:
         target, seconds = raw.split(":")
         target, seconds = int(target), float(seconds)
     except ValueError:
-        return flush
+        return call
     if target != rank:
-        return flush
+        return call
 
-    def paced():
-        flush()
+    def paced(*args):
+        call(*args)
         time.sleep(seconds)
     return paced
 
