@@ -5,7 +5,6 @@ rank); a fake backend whose tasks the test completes by hand checks the bookkeep
 timing: visibility only after every rank, pins while a load is in flight, failures dropping entries.
 """
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from fastcache.ipc import protocol
 from fastcache.ipc.signal import CLEARING, NORMAL
 from fastcache.tools.hashbytes import HashBytes, mismatched, write_blocks
 
-from conftest import all_tensors, deployment, small_spec
+from conftest import all_tensors, cpu_image, deployment, randomize, small_spec
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -442,44 +441,36 @@ def test_many_threads_store_lookup_and_load_with_every_block_verified():
         cache.close()
 
 
-# -- cost -----------------------------------------------------------------------------------------
-def test_lookup_of_a_64_block_prompt_takes_under_20_us():
+# -- the cost path, for behaviour (the figures: tools/tier_bench.py and the README; performance is
+# measured there, never asserted in a timed test) -------------------------------------------------
+def test_lookup_of_a_held_64_block_prompt_counts_every_block():
     with deployment(small_spec(num_cpu_blocks=64), tp=1) as (backend, _):
         cache = TieredCache(backend, "ns")
         prompt = [int(x) for x in np.random.default_rng(0).integers(0, 2**63, 64)]
         cache.store(prompt, list(range(64)) if backend.spec.num_gpu_blocks >= 64 else [0] * 64).result(10)
         assert cache.lookup(prompt) == 64
-        best = min(_per_call(lambda: cache.lookup(prompt), 2000) for _ in range(5))
-        assert best < 20e-6, f"lookup of 64 hashes took {best * 1e6:.1f} us"
+        assert cache.lookup(prompt[:10] + [prompt[10] ^ 1] + prompt[11:]) == 10
         cache.close()
 
 
-@pytest.mark.parametrize("size,store_limit", [(24, 50e-6), (64, 80e-6)])
-def test_what_store_and_load_add_to_the_swap(size, store_limit):
-    """The cache's own work on the submitting thread (validation, index, eviction, the completion callback),
-    over a backend whose swaps cost nothing; each store places `size` new hashes and evicts as many.
-    The target is 50 us: on the 2-core development machine a store of 64 new blocks takes ~57 us (README),
-    so 64 is held to 80 us against regressions, and 24 (the conversation trace's mean request) to 50."""
+@pytest.mark.parametrize("size", [24, 64])
+def test_stores_into_a_full_cache_evict_as_many_and_loads_pin_nothing_after(size):
+    """tier_bench's cost loop, checked for what it does: over a backend whose swaps cost nothing, each
+    store places `size` new hashes and evicts as many; every load moves all it was asked to."""
     backend = FakeBackend(num_cpu_blocks=2 * size, num_gpu_blocks=2 * size)
     backend.auto = True
     cache = TieredCache(backend, "ns")
     src, dst = list(range(size)), list(range(size, 2 * size))
-    bare = min(_per_call(lambda: backend.swap_out(src, src), 500) for _ in range(5))
-    prompts = [[k * size + i for i in range(size)] for k in range(5 * 300)]
-    it = iter(prompts)
-    store = min(_per_call(lambda: cache.store(next(it), src), 300) for _ in range(5)) - bare
-    assert cache.stats()["evicted"] >= (5 * 300 - 2) * size
+    prompts = [[k * size + i for i in range(size)] for k in range(50)]
+    for prompt in prompts:
+        cache.store(prompt, src)
+    assert cache.stats()["evicted"] >= (50 - 2) * size
     held = prompts[-1]
-    load = min(_per_call(lambda: cache.load(held, dst), 300) for _ in range(5)) - bare
-    assert cache.stats()["loaded_blocks"] == 5 * 300 * size
-    assert store < store_limit and load < 50e-6, f"store {store * 1e6:.1f} us, load {load * 1e6:.1f} us"
-
-
-def _per_call(fn, n):
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
+    assert cache.lookup(held) == size and cache.lookup(prompts[0]) == 0
+    for _ in range(20):
+        cache.load(held, dst)
+    assert cache.stats()["loaded_blocks"] == 20 * size
+    assert all(not e[PINS] for e in cache._index.values())
 
 
 # -- the sim copier at random ids (what a tier workload asks of it) ---------------------------------
@@ -508,18 +499,20 @@ def test_sim_moves_every_row_at_random_ids_and_in_runs(row, ids):
     np.testing.assert_array_equal(gpu, want_gpu)
 
 
-def test_sim_swaps_a_512_block_task_of_32_kib_rows_at_random_ids_at_half_a_memcpy_or_better():
-    """The issue's figure: 16 tensors, 32 KiB rows, 512 random ids (256 MiB), against one memcpy of the
-    same bytes in the same run; whole-task temporaries held it at 0.21x."""
+def test_sim_swaps_a_512_block_task_of_32_kib_rows_at_random_ids_bit_exact():
+    """The issue's workload (16 tensors, 32 KiB rows, 512 random ids, 256 MiB) moves every byte; its speed
+    against a memcpy is tools/tier_bench.py's figure (0.21x before the copier moved rows in place)."""
     spec = CacheSpec(num_layers=8, num_gpu_blocks=512, num_cpu_blocks=512, block_size=16, num_kv_heads=4,
                      head_dim=256)
     rng = np.random.default_rng(0)
     with deployment(spec, tp=1) as (backend, workers):
+        randomize(workers[0], rng)
         gpu, cpu = rng.permutation(512), rng.permutation(512)
-        nbytes = spec.task_bytes(gpu)
-        assert nbytes == 256 << 20
-        src, dst = np.full(nbytes, 3, np.uint8), np.empty(nbytes, np.uint8)
-        for submit in (backend.swap_out, backend.swap_in):
-            swap = min(submit(gpu, cpu).result(60).elapsed for _ in range(3))
-            copy = min(_per_call(lambda: np.copyto(dst, src), 1) for _ in range(3))
-            assert copy / swap >= 0.5, f"{submit.__name__}: {copy / swap:.2f} x memcpy"
+        assert spec.task_bytes(gpu) == 256 << 20
+        want = cpu_image(workers[0], gpu)
+        backend.swap_out(gpu, cpu).result(60)
+        np.testing.assert_array_equal(backend.cpu_tier(0)[cpu], want)
+        back = rng.permutation(512)
+        randomize(workers[0], rng)             # fresh bytes at the destination: a missed row must show
+        backend.swap_in(back, cpu).result(60)
+        np.testing.assert_array_equal(cpu_image(workers[0], back), want)
