@@ -84,7 +84,8 @@ def reshape(cache, spec, rank: int, device_id: int, framework: str):
     tensors, manifest = {}, []
     for i, (info, entry) in enumerate(zip(infos, cache.manifest)):
         if info.nbytes > cache.base_bytes[i]:
-            raise ValueError(f"{info.name}: {info.nbytes} bytes do not fit in its {cache.base_bytes[i]}-byte allocation")
+            raise ValueError(f"{info.name}: {info.nbytes} bytes do not fit in its {cache.base_bytes[i]}-byte "
+                             f"allocation")
         elements = info.nbytes // _element_bytes(info.dtype)
         view = view_as(bases[i], elements, info.shape)
         if _data_ptr(view) != cache.pointers[i]:
@@ -146,13 +147,15 @@ class CudaMemory(HostMemory):
             if manifest is None:
                 manifest = self._manifests[rank] = read_manifest(self.suffix, rank)
             if len(manifest) != len(self.plan.spaces) - 1:
-                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has {len(self.plan.spaces) - 1}")
+                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has "
+                                 f"{len(self.plan.spaces) - 1}")
             entry = manifest[index]
             return self._open(entry, self.plan.region_bytes(self.plan.spaces[index], rank), entry.get("name", "?"))
         if ref[0] == "staging" and ref[2] == "gpu":
             desc = read_json_segment(reshard_exports_name(self.suffix, ref[1]), self.suffix)
             if desc.get("device") != "cuda":
-                raise ValueError(f"rank {ref[1]} exports a {desc.get('device')} staging buffer to a cuda transfer manager")
+                raise ValueError(f"rank {ref[1]} exports a {desc.get('device')} staging buffer to a cuda transfer "
+                                 f"manager")
             return self._open(desc, self.plan.staging_bytes_for(ref[1], "gpu"), f"staging of rank {ref[1]}")
         return super()._resolve(ref)
 

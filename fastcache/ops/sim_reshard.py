@@ -124,14 +124,16 @@ class SimMemory(HostMemory):
             if manifest is None:
                 manifest = self._manifests[rank] = read_manifest(self.suffix, rank)
             if len(manifest) != len(self.plan.spaces) - 1:
-                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has {len(self.plan.spaces) - 1}")
+                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has "
+                                 f"{len(self.plan.spaces) - 1}")
             entry = manifest[index]
             return self._view(self._segment(entry["segment"]), entry["offset"],
                               self.plan.region_bytes(self.plan.spaces[index], rank), f"{entry['name']}")
         if ref[0] == "staging" and ref[2] == "gpu":
             desc = read_json_segment(reshard_exports_name(self.suffix, ref[1]), self.suffix)
             if desc.get("device") != "sim":
-                raise ValueError(f"rank {ref[1]} exports a {desc.get('device')} staging buffer to a sim transfer manager")
+                raise ValueError(f"rank {ref[1]} exports a {desc.get('device')} staging buffer to a sim transfer "
+                                 f"manager")
             need = self.plan.staging_bytes_for(ref[1], "gpu")
             return self._view(self._segment(desc["segment"]), 0, need, f"staging of rank {ref[1]}")
         return super()._resolve(ref)

@@ -451,12 +451,13 @@ def print_liquid(report, checks):
     print(f"  deployment      device={report['device']} framework={report['framework']}, "
           f"{report.get('reshard_heads', '?')} KV heads, per rank at the start: {report['gpu_cache_mib']:.1f} MiB "
           f"GPU, {report['cpu_cache_mib']:.1f} MiB CPU tier, {report['tensors']} tensors")
-    print("  step  tp      moved MiB  move ms    GB/s  (memcpy)  step ms  GPU blocks/rank  CPU blocks/rank  live GPU/CPU  "
-          "shm peak/limit MiB")
+    print("  step  tp      moved MiB  move ms    GB/s  (memcpy)  step ms  GPU blocks/rank  CPU blocks/rank  "
+          "live GPU/CPU  shm peak/limit MiB")
     for k, s in enumerate(report.get("reshard_steps", [])):
         limit = s["shm_limit_mib"]
         print(f"  {k + 1:>4}  {s['from_tp']}->{s['to_tp']:<4} {s['bytes_moved'] / 2**20:>9.1f}  "
-              f"{s['move_seconds'] * 1e3:>7.1f}  {s['gbps']:>6.2f}  ({s['memcpy_gbps']:>5.2f})  {s['seconds'] * 1e3:>7.0f}  "
+              f"{s['move_seconds'] * 1e3:>7.1f}  {s['gbps']:>6.2f}  ({s['memcpy_gbps']:>5.2f})  "
+              f"{s['seconds'] * 1e3:>7.0f}  "
               f"{s['gpu_blocks_per_rank'][0]:>6} -> {s['gpu_blocks_per_rank'][1]:<6}  "
               f"{s['cpu_blocks_per_rank'][0]:>6} -> {s['cpu_blocks_per_rank'][1]:<6}  "
               f"{s['live_gpu_blocks']:>5}/{s['live_cpu_blocks']:<5}  {s['shm_peak_mib']:.1f}/{limit:.1f}")
