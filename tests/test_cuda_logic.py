@@ -3,6 +3,7 @@ host memory: staging chunks and ring reuse, DMA runs over consecutive CPU blocks
 layers, odd row sizes and the read/write helpers. It proves the bookkeeping, not CUDA itself: the real
 thing runs in the gpu-marked tests (tests/test_gpu.py) on a GPU machine.
 """
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -219,22 +220,31 @@ def test_read_and_write_of_chosen_blocks(fake_cuda):
         cache.read(1, [info.num_blocks])
 
 
-def test_copier_refuses_ids_that_would_fault_the_kernel(fake_cuda):
-    spec = small_spec()
-    arrays = [np.ones((i.num_blocks, i.block_bytes), np.uint8) for i in spec.tensors()]
-    cache = cuda_ops.DeviceTensors(spec.tensors(), [a.ctypes.data for a in arrays], 0)
+@contextlib.contextmanager
+def fake_copier(spec, method="staged", seed=0, **swap_kwargs):
+    """(random "device" rows per tensor, the pinned tier, a copier) over the fake runtime; closed after."""
+    rng = np.random.default_rng(seed)
+    gpu = [rng.integers(1, 256, (i.num_blocks, i.block_bytes), dtype=np.uint8) for i in spec.tensors()]
+    cache = cuda_ops.DeviceTensors(spec.tensors(), [rows.ctypes.data for rows in gpu], 0)
     suffix = new_suffix()
     segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
-    swap = cuda_ops.CudaSwapSpace(segment, spec, 0)
-    copier = cuda_ops.make_copier("staged", cache, swap, spec)
+    swap = cuda_ops.CudaSwapSpace(segment, spec, 0, **swap_kwargs)
+    copier = cuda_ops.make_copier(method, cache, swap, spec)
     try:
+        swap.wait_pinned()
+        yield gpu, swap, copier
+    finally:
+        copier.close()
+        swap.close()
+
+
+def test_copier_refuses_ids_that_would_fault_the_kernel(fake_cuda):
+    spec = small_spec()
+    with fake_copier(spec) as (_, _, copier):
         with pytest.raises(ValueError, match="gpu block ids"):
             copier.swap_out(np.array([spec.num_gpu_blocks]), np.array([0]))
         with pytest.raises(ValueError, match="cpu block ids"):
             copier.swap_in(np.array([0]), np.array([-1]))
-    finally:
-        copier.close()
-        swap.close()
 
 
 def test_dma_runs_merge_consecutive_blocks_and_stop_at_partial_ones_and_chunk_edges():
@@ -253,15 +263,7 @@ def test_no_copy_spans_two_pinned_chunks(fake_cuda, monkeypatch, method):
     """The tier starts on a page and is registered in chunks of whole pages and whole CPU blocks; a run of
     consecutive CPU blocks across a chunk edge becomes two copies (one copy, one registration)."""
     spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=40)          # 768-byte CPU blocks
-    gpu = [np.random.default_rng(5).integers(1, 256, (i.num_blocks, i.block_bytes), dtype=np.uint8)
-           for i in spec.tensors()]
-    cache = cuda_ops.DeviceTensors(spec.tensors(), [rows.ctypes.data for rows in gpu], 0)
-    suffix = new_suffix()
-    segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
-    swap = cuda_ops.CudaSwapSpace(segment, spec, 0, chunk_bytes=8192)
-    copier = cuda_ops.make_copier(method, cache, swap, spec)
-    try:
-        swap.wait_pinned()
+    with fake_copier(spec, method, seed=5, chunk_bytes=8192) as (gpu, swap, copier):
         assert swap.host_ptr % mmap.PAGESIZE == 0
         sizes = [n for _, n in fake_cuda.registered]
         assert all(n % spec.cpu_block_bytes == 0 and n % mmap.PAGESIZE == 0 for n in sizes[:-1]), sizes
@@ -273,24 +275,13 @@ def test_no_copy_spans_two_pinned_chunks(fake_cuda, monkeypatch, method):
         assert np.array_equal(swap.rows[cpu_ids], want)
         copier.swap_in(gpu_ids + 16, cpu_ids)
         assert np.array_equal(np.concatenate([rows[gpu_ids + 16] for rows in gpu], axis=1), want)
-    finally:
-        copier.close()
-        swap.close()
 
 
 def test_a_small_staged_task_takes_one_stream_and_no_events(fake_cuda):
     """One-block tasks: the kernel reads the ids from the lane's pinned buffer (no upload), the copy
     follows on the same stream, one synchronize; events and the second stream only for large tasks."""
     spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=30)
-    gpu = [np.random.default_rng(6).integers(1, 256, (i.num_blocks, i.block_bytes), dtype=np.uint8)
-           for i in spec.tensors()]
-    cache = cuda_ops.DeviceTensors(spec.tensors(), [rows.ctypes.data for rows in gpu], 0)
-    suffix = new_suffix()
-    segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
-    swap = cuda_ops.CudaSwapSpace(segment, spec, 0)
-    copier = cuda_ops.make_copier("staged", cache, swap, spec)
-    try:
-        swap.wait_pinned()
+    with fake_copier(spec, seed=6) as (gpu, swap, copier):
         fake_cuda.calls.clear()
         copier.swap_out(np.array([7], np.int32), np.array([3], np.int32))
         assert fake_cuda.calls == ["launch", "memcpy", "sync"]
@@ -303,9 +294,6 @@ def test_a_small_staged_task_takes_one_stream_and_no_events(fake_cuda):
         many = np.arange(cuda_ops.SMALL_TASK_IDS + 1) % 30
         copier.swap_out(np.arange(len(many)) % 40, many)                 # too many ids: the ring path
         assert "event" in fake_cuda.calls
-    finally:
-        copier.close()
-        swap.close()
 
 
 def test_kernel_target_is_the_device_or_the_newest_older_ptx():
