@@ -13,6 +13,9 @@ from fastcache.tools.trace_model import infinite, load_trace, simulate
 TRACE = os.environ.get("FASTCACHE_TRACE", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
                                                        "conversation_trace.jsonl"))
 needs_trace = pytest.mark.skipif(not os.path.exists(TRACE), reason=f"no trace at {TRACE}")
+# the replays read only the first few hundred requests: the committed excerpt serves where the trace is absent
+REPLAY = TRACE if os.path.exists(TRACE) else os.path.join(os.path.dirname(__file__), "data",
+                                                          "conversation_trace_500.jsonl")
 
 
 def run_tool(*args, timeout=300):
@@ -60,10 +63,9 @@ def test_a_malformed_trace_line_is_named(tmp_path, line, message):
 
 
 # -- the tool ----------------------------------------------------------------------------------------
-@needs_trace
 def test_replay_equals_the_model_verifies_every_block_and_plots(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    run = run_tool("--trace", TRACE, "--requests", "500", "--gpu-blocks", "300", "--cpu-blocks", "1500",
+    run = run_tool("--trace", REPLAY, "--requests", "500", "--gpu-blocks", "300", "--cpu-blocks", "1500",
                    "--json", str(out), "--plot", str(png))
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from fastcache.tools.trace_model import infinite, load_trace, simulate
-from test_trace import TRACE, needs_trace, run_tool
+from test_trace import REPLAY, TRACE, needs_trace, run_tool
 
 needs_mooncake = pytest.mark.skipif(importlib.util.find_spec("mooncake") is None
                                     and os.environ.get("FASTCACHE_REQUIRE_MOONCAKE") != "1",
@@ -34,11 +34,10 @@ def test_model_with_a_store_reaches_the_infinite_cache_on_the_conversation_trace
     assert with_store["l3_hit_rate"] > 0.25 and simulate(trace.requests, 1000, 2000).rates()["hit_rate"] < 0.07
 
 
-@needs_trace
 @pytest.mark.parametrize("store", ["file", pytest.param("mooncake", marks=needs_mooncake)])
 def test_replay_with_a_store_equals_the_model_and_the_infinite_cache(tmp_path, store):
     out = tmp_path / "r.json"
-    run = run_tool("--trace", TRACE, "--requests", "400", "--gpu-blocks", "300", "--cpu-blocks", "400",
+    run = run_tool("--trace", REPLAY, "--requests", "400", "--gpu-blocks", "300", "--cpu-blocks", "400",
                    "--store", store, "--num-layers", "1", "--head-dim", "4", "--json", str(out))
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
@@ -51,7 +50,6 @@ def test_replay_with_a_store_equals_the_model_and_the_infinite_cache(tmp_path, s
     assert report["store"].startswith(store) and f"store           {store}://" in run.stdout
 
 
-@needs_trace
 def test_a_bad_store_url_is_refused_before_anything_starts():
-    run = run_tool("--trace", TRACE, "--store", "s3://bucket")
+    run = run_tool("--trace", REPLAY, "--store", "s3://bucket")
     assert run.returncode == 2 and "expected mooncake://HOST:PORT or file:///DIR" in run.stderr
