@@ -2,6 +2,7 @@
 in place, for every tp change, also after a crash mid-chunk), then whole deployments (worker processes and
 in-process workers) resharded 1 -> 2 -> 4 -> 2 -> 1 with every live GPU block and used CPU block checked
 bit for bit, bad requests, and ranks killed or stalled in the middle of a step."""
+import contextlib
 import os
 import signal
 import threading
@@ -182,6 +183,17 @@ class InProcessWorkers:
             w.close()
 
 
+@contextlib.contextmanager
+def in_process_deployment(spec, tp):
+    """A sim deployment with in-process workers that a reshard can start and stop (the pool)."""
+    with deployment(spec, tp=tp) as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            yield backend, pool
+        finally:
+            pool.close()
+
+
 def test_liquid_cycles_with_worker_processes_keep_every_block_bit_for_bit():
     """tp 1 -> 2 -> 4 -> 2 -> 1, twice, worker processes: after every step every live GPU block and used CPU
     block is checked on every rank, then swaps and a clear/restore; /dev/shm never holds a second cache."""
@@ -207,15 +219,11 @@ def test_draft_layers_and_fp8_scales_are_resharded_with_in_process_workers():
     spec = small_spec(num_gpu_blocks=24, num_cpu_blocks=12, num_kv_heads=6, cache_dtype="block_wise_fp8",
                       num_extra_layers=1, num_extra_gpu_blocks=18)
     rng = np.random.default_rng(12)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            checks, report = Checks(), {}
-            liquid(backend, _Callbacks(pool), [1, 3, 6, 2, 1], 1, rng, checks, report, log=lambda *_: None)
-            assert not checks.failed, checks.failed
-            assert [s["to_tp"] for s in report["reshard_steps"]] == [3, 6, 2, 1]
-        finally:
-            pool.close()
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        checks, report = Checks(), {}
+        liquid(backend, _Callbacks(pool), [1, 3, 6, 2, 1], 1, rng, checks, report, log=lambda *_: None)
+        assert not checks.failed, checks.failed
+        assert [s["to_tp"] for s in report["reshard_steps"]] == [3, 6, 2, 1]
 
 
 class _Callbacks:
@@ -289,28 +297,24 @@ def test_bad_requests_are_refused_before_anything_changes():
 def test_swaps_are_refused_during_a_step_and_tasks_in_flight_finish_first(monkeypatch):
     monkeypatch.setenv(TEST_PACE, "0:0.05")
     spec = small_spec(num_gpu_blocks=256, num_cpu_blocks=256, num_kv_heads=2, head_dim=64)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            handles = [backend.swap_out(np.arange(i, 256, 8), np.arange(i, 256, 8)) for i in range(8)]
-            refused = []
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        handles = [backend.swap_out(np.arange(i, 256, 8), np.arange(i, 256, 8)) for i in range(8)]
+        refused = []
 
-            def swap_meanwhile():
-                while backend.status != RESHARDING:
-                    time.sleep(0.001)
-                try:
-                    backend.swap_out([0], [0])
-                except TransferError as exc:
-                    refused.append(str(exc))
-            thread = threading.Thread(target=swap_meanwhile)
-            thread.start()
-            backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60, staging_bytes=1 << 16)
-            thread.join()
-            for h in handles:
-                h.result(timeout=0)          # every one finished, and successfully, before the step moved a byte
-            assert refused and "RESHARDING" in refused[0]
-        finally:
-            pool.close()
+        def swap_meanwhile():
+            while backend.status != RESHARDING:
+                time.sleep(0.001)
+            try:
+                backend.swap_out([0], [0])
+            except TransferError as exc:
+                refused.append(str(exc))
+        thread = threading.Thread(target=swap_meanwhile)
+        thread.start()
+        backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60, staging_bytes=1 << 16)
+        thread.join()
+        for h in handles:
+            h.result(timeout=0)          # every one finished, and successfully, before the step moved a byte
+        assert refused and "RESHARDING" in refused[0]
 
 
 def _full(backend):
@@ -443,107 +447,95 @@ def test_a_failure_before_any_rank_overwrote_old_rows_leaves_the_old_layout_in_s
 def test_the_cpu_tier_is_compacted_on_a_scale_in_and_the_allocator_follows():
     spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=16, num_kv_heads=2)
     rng = np.random.default_rng(8)
-    with deployment(spec, tp=2) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            model = BlockModel(backend, rng)
-            model.attach()
-            model.fill(range(8))
-            held = backend.allocate_cpu_blocks(16)
-            backend.free_cpu_blocks(held[:5] + held[7:13])       # used: 5, 6, 13, 14, 15
-            model.swapped_out([0, 1, 2, 3, 4], [5, 6, 13, 14, 15])
-            backend.swap_out([0, 1, 2, 3, 4], [5, 6, 13, 14, 15]).result(timeout=10)
-            new, block_map = backend.reshard(1, live_blocks=range(8), start_workers=pool.start,
-                                             stop_workers=pool.stop, timeout=30)
-            cpu_map = backend.last_reshard["cpu_block_map"]
-            assert new.num_cpu_blocks == 8 and cpu_map == {5: 5, 6: 6, 13: 0, 14: 1, 15: 2}
-            assert backend.allocator.used_ids() == {0, 1, 2, 5, 6} and backend.allocator.num_free == 3
-            model.remap(block_map, cpu_map)
-            model.attach()
-            assert model.check() == []
-            model.detach()
-        finally:
-            pool.close()
+    with in_process_deployment(spec, tp=2) as (backend, pool):
+        model = BlockModel(backend, rng)
+        model.attach()
+        model.fill(range(8))
+        held = backend.allocate_cpu_blocks(16)
+        backend.free_cpu_blocks(held[:5] + held[7:13])       # used: 5, 6, 13, 14, 15
+        model.swapped_out([0, 1, 2, 3, 4], [5, 6, 13, 14, 15])
+        backend.swap_out([0, 1, 2, 3, 4], [5, 6, 13, 14, 15]).result(timeout=10)
+        new, block_map = backend.reshard(1, live_blocks=range(8), start_workers=pool.start,
+                                         stop_workers=pool.stop, timeout=30)
+        cpu_map = backend.last_reshard["cpu_block_map"]
+        assert new.num_cpu_blocks == 8 and cpu_map == {5: 5, 6: 6, 13: 0, 14: 1, 15: 2}
+        assert backend.allocator.used_ids() == {0, 1, 2, 5, 6} and backend.allocator.num_free == 3
+        model.remap(block_map, cpu_map)
+        model.attach()
+        assert model.check() == []
+        model.detach()
 
 
 def test_a_tiered_cache_keeps_its_entries_through_scale_out_and_scale_in():
     spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=16, num_kv_heads=4)
     rng = np.random.default_rng(9)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = BlockModel(backend, rng)
+        model.attach()
+        model.fill(range(16))
+        cache = TieredCache(backend, namespace="m/0", capacity=12)
+        hashes = [int(h) for h in rng.integers(1, 2**62, 6)]
+        cache.store(hashes, list(range(6))).result(timeout=10)
+        want = {h: model.gpu[b] for h, b in zip(hashes, range(6))}
+        model.detach()
+        steps = [(2, None), (4, None), (1, range(10, 16))]
+        for tp, live in steps:
+            backend.reshard(tp, live_blocks=live, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+            assert cache.lookup(hashes) == 6
+            dst = rng.choice(backend.spec.num_gpu_blocks, 6, replace=False)
+            cache.load(hashes, dst).result(timeout=10)
             model = BlockModel(backend, rng)
             model.attach()
-            model.fill(range(16))
-            cache = TieredCache(backend, namespace="m/0", capacity=12)
-            hashes = [int(h) for h in rng.integers(1, 2**62, 6)]
-            cache.store(hashes, list(range(6))).result(timeout=10)
-            want = {h: model.gpu[b] for h, b in zip(hashes, range(6))}
+            got = model
+            for h, b in zip(hashes, dst.tolist()):
+                got.gpu[b] = want[h]
+            assert model.check() == [], tp
             model.detach()
-            steps = [(2, None), (4, None), (1, range(10, 16))]
-            for tp, live in steps:
-                backend.reshard(tp, live_blocks=live, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
-                assert cache.lookup(hashes) == 6
-                dst = rng.choice(backend.spec.num_gpu_blocks, 6, replace=False)
-                cache.load(hashes, dst).result(timeout=10)
-                model = BlockModel(backend, rng)
-                model.attach()
-                got = model
-                for h, b in zip(hashes, dst.tolist()):
-                    got.gpu[b] = want[h]
-                assert model.check() == [], tp
-                model.detach()
-            # the tier shrank 16 -> 16*4/16... per rank at tp 1: 16 blocks; the quota never exceeds the tier
-            assert cache.capacity <= backend.spec.num_cpu_blocks
-            extra = [int(h) for h in rng.integers(1, 2**62, 3)]
-            cache.store(extra, [10, 11, 12]).result(timeout=10)
-            assert cache.lookup(hashes) == 6 and cache.lookup(extra) == 3
-            cache.close()
-        finally:
-            pool.close()
+        # the tier shrank 16 -> 16*4/16... per rank at tp 1: 16 blocks; the quota never exceeds the tier
+        assert cache.capacity <= backend.spec.num_cpu_blocks
+        extra = [int(h) for h in rng.integers(1, 2**62, 3)]
+        cache.store(extra, [10, 11, 12]).result(timeout=10)
+        assert cache.lookup(hashes) == 6 and cache.lookup(extra) == 3
+        cache.close()
 
 
 def test_peak_shared_memory_during_a_step_is_the_cache_plus_staging():
     """In place: a scale-out adds only the new ranks' memory, a scale-in only the staging buffers."""
     spec = small_spec(num_layers=4, num_gpu_blocks=128, num_cpu_blocks=64, num_kv_heads=2, head_dim=64)
     rng = np.random.default_rng(13)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            model = BlockModel(backend, rng)
-            model.attach()
-            model.fill(range(128))                   # every page of the cache
-            model.swap_round(8)
-            model.touch()
-            model.detach()
-            one_rank = shm_now(backend, nominal=True)
-            with ShmSampler(backend.suffix, every=0.0005) as sampler:
-                new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60,
-                                                 staging_bytes=64 << 10)
-            r = backend.last_reshard
-            staging = sum(r["staging_bytes"].values()) + sum(r["cpu_staging_bytes"].values())
-            assert 0 < staging <= 2 * (64 << 10)
-            assert sampler.peak <= 2 * one_rank + staging + (256 << 10), (sampler.peak, one_rank, staging)
-            model.remap(block_map, r["cpu_block_map"])
-            model.attach()
-            assert model.check() == []
-            live = sorted(model.gpu)[:64]
-            model.gpu = {b: model.gpu[b] for b in live}
-            model.touch()
-            model.detach()
-            two_ranks = shm_now(backend, nominal=True)
-            with ShmSampler(backend.suffix, every=0.0005) as sampler:
-                new, block_map = backend.reshard(1, live_blocks=live, start_workers=pool.start,
-                                                 stop_workers=pool.stop, timeout=60, staging_bytes=64 << 10)
-            staging = sum(backend.last_reshard["staging_bytes"].values()) + \
-                sum(backend.last_reshard["cpu_staging_bytes"].values())
-            assert sampler.peak <= two_ranks + staging + (256 << 10), (sampler.peak, two_ranks, staging)
-            model.remap(block_map, backend.last_reshard["cpu_block_map"])
-            model.attach()
-            assert model.check() == []
-            model.detach()
-        finally:
-            pool.close()
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = BlockModel(backend, rng)
+        model.attach()
+        model.fill(range(128))                   # every page of the cache
+        model.swap_round(8)
+        model.touch()
+        model.detach()
+        one_rank = shm_now(backend, nominal=True)
+        with ShmSampler(backend.suffix, every=0.0005) as sampler:
+            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60,
+                                             staging_bytes=64 << 10)
+        r = backend.last_reshard
+        staging = sum(r["staging_bytes"].values()) + sum(r["cpu_staging_bytes"].values())
+        assert 0 < staging <= 2 * (64 << 10)
+        assert sampler.peak <= 2 * one_rank + staging + (256 << 10), (sampler.peak, one_rank, staging)
+        model.remap(block_map, r["cpu_block_map"])
+        model.attach()
+        assert model.check() == []
+        live = sorted(model.gpu)[:64]
+        model.gpu = {b: model.gpu[b] for b in live}
+        model.touch()
+        model.detach()
+        two_ranks = shm_now(backend, nominal=True)
+        with ShmSampler(backend.suffix, every=0.0005) as sampler:
+            new, block_map = backend.reshard(1, live_blocks=live, start_workers=pool.start,
+                                             stop_workers=pool.stop, timeout=60, staging_bytes=64 << 10)
+        staging = sum(backend.last_reshard["staging_bytes"].values()) + \
+            sum(backend.last_reshard["cpu_staging_bytes"].values())
+        assert sampler.peak <= two_ranks + staging + (256 << 10), (sampler.peak, two_ranks, staging)
+        model.remap(block_map, backend.last_reshard["cpu_block_map"])
+        model.attach()
+        assert model.check() == []
+        model.detach()
 
 
 def test_the_launcher_runs_liquid_cycles_and_reports_every_step(tmp_path):
