@@ -104,3 +104,15 @@ class DeviceOps(ABC):
 def usable_ids(ids: np.ndarray, num_blocks: int, full: int):
     """Index of the ids a tensor with `num_blocks` rows has (draft layers hold fewer blocks)."""
     return None if num_blocks == full else np.flatnonzero(ids < num_blocks)
+
+
+def manifest_entry(manifests: dict, suffix: str, plan, rank: int, index: int) -> dict:
+    """Entry `index` of `rank`'s export manifest (read once per rank into `manifests`), for a reshard program;
+    a manifest that does not match the plan's tensors is refused."""
+    from ..transfer.manager import read_manifest
+    manifest = manifests.get(rank)
+    if manifest is None:
+        manifest = manifests[rank] = read_manifest(suffix, rank)
+    if len(manifest) != len(plan.spaces) - 1:
+        raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has {len(plan.spaces) - 1}")
+    return manifest[index]

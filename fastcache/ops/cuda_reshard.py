@@ -21,6 +21,7 @@ from cuda.bindings import driver, runtime
 from ..engine.reshard import Plan, numpy_copy
 from ..errors import TransferError
 from ..ipc.naming import reshard_exports_name
+from .base import manifest_entry
 from .cuda_kernels import cuda_check, set_device
 from .sim_reshard import HostMemory, read_json_segment
 
@@ -140,16 +141,9 @@ class CudaMemory(HostMemory):
         return DeviceRegion(self._bases[handle] + offset, nbytes, what)
 
     def _resolve(self, ref):
-        from ..transfer.manager import read_manifest
         if ref[0] == "gpu":
             rank, index = ref[1], ref[2]
-            manifest = self._manifests.get(rank)
-            if manifest is None:
-                manifest = self._manifests[rank] = read_manifest(self.suffix, rank)
-            if len(manifest) != len(self.plan.spaces) - 1:
-                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has "
-                                 f"{len(self.plan.spaces) - 1}")
-            entry = manifest[index]
+            entry = manifest_entry(self._manifests, self.suffix, self.plan, rank, index)
             return self._open(entry, self.plan.region_bytes(self.plan.spaces[index], rank), entry.get("name", "?"))
         if ref[0] == "staging" and ref[2] == "gpu":
             desc = read_json_segment(reshard_exports_name(self.suffix, ref[1]), self.suffix)

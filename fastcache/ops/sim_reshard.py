@@ -17,6 +17,7 @@ from ..config import CacheSpec
 from ..engine.reshard import Plan, numpy_copy
 from ..ipc.naming import reshard_exports_name, reshard_staging_name, swap_space_name
 from ..ipc.shm import SharedSegment
+from .base import manifest_entry
 from .frameworks import NUMPY_STORAGE, wrap_host_array
 
 
@@ -117,16 +118,9 @@ class SimMemory(HostMemory):
         pass
 
     def _resolve(self, ref):
-        from ..transfer.manager import read_manifest
         if ref[0] == "gpu":
             rank, index = ref[1], ref[2]
-            manifest = self._manifests.get(rank)
-            if manifest is None:
-                manifest = self._manifests[rank] = read_manifest(self.suffix, rank)
-            if len(manifest) != len(self.plan.spaces) - 1:
-                raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has "
-                                 f"{len(self.plan.spaces) - 1}")
-            entry = manifest[index]
+            entry = manifest_entry(self._manifests, self.suffix, self.plan, rank, index)
             return self._view(self._segment(entry["segment"]), entry["offset"],
                               self.plan.region_bytes(self.plan.spaces[index], rank), f"{entry['name']}")
         if ref[0] == "staging" and ref[2] == "gpu":
