@@ -229,6 +229,20 @@ def test_entries_in_flight_are_never_evicted():
     assert cache.lookup([3, 2]) == 2 and cache.lookup([4]) == 1 and cache.lookup([1]) == 0
 
 
+def test_a_store_of_held_repeated_and_new_hashes_with_one_free_block_copies_the_right_gpu_block():
+    backend = FakeBackend(num_cpu_blocks=3)
+    backend.auto = True
+    cache = TieredCache(backend, "ns")
+    cache.store([1, 2], [0, 1]).result(1)
+    backend.auto = False
+    load = cache.load([1, 2], [5, 6])                # pins both: one free block is left
+    store = cache.store([1, 7, 8, 7], [10, 11, 12, 13])
+    assert backend.tasks[-1][1] == [11] and cache.stats()["store_full"] == 1
+    finish(load)
+    finish(store)
+    assert cache.lookup([1, 7]) == 2 and cache.lookup([8]) == 0
+
+
 def test_a_failed_store_in_a_real_deployment_is_never_served(monkeypatch):
     monkeypatch.setenv("FASTCACHE_FAIL_EVERY", "1:2")       # rank 1 fails its 2nd task
     spec = small_spec()

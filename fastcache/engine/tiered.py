@@ -251,14 +251,16 @@ class TieredCache(L3Tier):
         """Entries for the new hashes of a store, evicting as needed, and the call's hashes refreshed.
         Returns (new hashes, their GPU ids, their entries, drop count) or None when nothing is new.
         Written with C-level builtins (filterfalse, map, deque): per hash, this is the cost of a store."""
-        where = dict(zip(keys, gpu))
-        if len(where) != len(keys):                 # a hash listed twice: its first GPU block wins
+        if len(set(keys)) != len(keys):             # a hash listed twice: its first GPU block wins
             where = dict(zip(reversed(keys), reversed(gpu)))
             keys = list(dict.fromkeys(keys))
+            gpu = list(map(where.__getitem__, keys))
         index = self._index
         new = list(filterfalse(index.__contains__, keys))
+        all_new = len(new) == len(keys)
         # the call's held hashes must survive its evictions (when every hash is new, none can be hit)
-        blocks = self._take_blocks(len(new), keys if len(new) < len(keys) else ()) if new else []
+        blocks = self._take_blocks(len(new), () if all_new else keys) if new else []
+        new_gpu = gpu[:len(blocks)] if all_new else list(map(dict(zip(keys, gpu)).__getitem__, new[:len(blocks)]))
         if len(blocks) < len(new):                  # no block for the rest: skipped, and not refreshed
             self._counts["store_full"] += len(new) - len(blocks)
             left = set(new[len(blocks):])
@@ -266,12 +268,15 @@ class TieredCache(L3Tier):
             keys = [key for key in keys if key not in left]
         quota = self._quota
         entries = [[block, quota, 0, STORING] for block in blocks]
-        index.update(zip(new, entries))
-        deque(map(index.move_to_end, reversed(keys)), maxlen=0)     # the first hash ends most recent
         self._counts["store_skipped"] += len(keys) - len(new)
+        if all_new:         # the common case: inserted last first, so the first hash ends most recent
+            index.update(zip(reversed(new), reversed(entries)))
+        else:
+            index.update(zip(new, entries))
+            deque(map(index.move_to_end, reversed(keys)), maxlen=0)     # the first hash ends most recent
         if not new:
             return None
-        return new, list(map(where.__getitem__, new)), entries, self._drops
+        return new, new_gpu, entries, self._drops
 
     def _take_blocks(self, n, protect):
         """n CPU blocks (fewer if there are not): free ones first, then least recently used entries that
