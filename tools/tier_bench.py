@@ -9,7 +9,8 @@
   (store(...).result() vs swap_out(...).result() of as many blocks, interleaved), medians. Each store
   is of new hashes into a full cache, so it evicts as many entries as it places (the dearest case).
   At 64 blocks and at 24 (the conversation trace's mean request).
-- the cache's own work warm: the same calls back to back over a stub backend whose swaps cost nothing.
+- the cache's own work warm: the same calls back to back over a stub backend whose swaps cost nothing,
+  and the same stub-backed calls timed right after a real swap (the state the real calls meet).
 - sim random ids: one 512-block task of 32 KiB rows over 16 tensors (8 layers, K and V) at random GPU and
   CPU ids, against one memcpy of the same bytes in the same run (best of 5 each way).
 Every figure comes from a real deployment (engine, in-process workers, transfer-manager processes).
@@ -114,6 +115,7 @@ def tier_costs(tp, samples, rng, size):
         out.update({f"{k}_done_us": v for k, v in med.items()})
         out["store_adds_done_us"] = med["store"] - med["swap_out"]
         out["load_adds_done_us"] = med["load"] - med["swap_in"]
+        out.update(after_swap_costs(backend, src, raw, size, samples))
         stats = cache.stats()
         out["evicted"], out["stored_blocks"] = stats["evicted"], stats["stored_blocks"]
         cache.close()
@@ -153,6 +155,29 @@ def warm_costs(size):
     return {"blocks": size, "store_us": store * 1e6, "load_us": load * 1e6, "evicted": cache.stats()["evicted"]}
 
 
+def after_swap_costs(backend, src, raw, size, samples):
+    """The cache's own work (a stub-backed cache, no swap inside) timed right after each of a run of real
+    swaps completes: the same code as the warm figure, in the state the real store/load calls meet (the
+    sim's copy has just run through this machine's caches). With the warm figure it splits what a store
+    adds into the cache's work and the state of the machine."""
+    stub = StubBackend(size)
+    cache = TieredCache(stub, "after-swap")
+    gpu = list(range(size))
+    prompts = iter([[k * size + i for i in range(size)] for k in range(5 * size + samples + 1)])
+    for _ in range(5):
+        cache.store(next(prompts), gpu)             # full: each timed store evicts as many as it places
+    held = [(5 - 1) * size + i for i in range(size)]
+    times = {"store": [], "load": []}
+    for _ in range(samples):
+        for name, call in (("store", lambda: cache.store(next(prompts), gpu)), ("load", lambda: cache.load(held, gpu))):
+            backend.swap_out(src, raw).result(30)
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+    bare = per_call(lambda: stub.swap_out(gpu, gpu), 1000)
+    return {f"{k}_own_after_swap_us": (statistics.median(v) - bare) * 1e6 for k, v in times.items()}
+
+
 def sim_random_ids(rng):
     spec = CacheSpec(num_layers=8, num_gpu_blocks=1024, num_cpu_blocks=512, block_size=16, num_kv_heads=4,
                      head_dim=256)                     # 32 KiB rows, 16 tensors: 512 KiB per block
@@ -187,6 +212,8 @@ def main(argv=None):
         print(f"{t['blocks']}-block prompt: lookup {t['lookup_us']:.1f} us")
         print(f"  the cache's own work, warm (stub backend): store {w['store_us']:.1f} us (placing {t['blocks']} new "
               f"hashes, evicting as many), load {w['load_us']:.1f} us")
+        print(f"  the same work right after a real swap: store {t['store_own_after_swap_us']:.1f} us, "
+              f"load {t['load_own_after_swap_us']:.1f} us")
         for op, swap in (("store", "swap_out"), ("load", "swap_in")):
             print(f"  {op} adds {t[f'{op}_adds_call_us']:.1f} us to the submitting call (whole call "
                   f"{t[f'{op}_call_us']:.1f}, a bare {swap} {t[f'{swap}_call_us']:.1f}), "
