@@ -194,6 +194,16 @@ def in_process_deployment(spec, tp):
             pool.close()
 
 
+def filled_model(backend, rng, swaps, blocks=None):
+    """A BlockModel attached to every GPU block (or `blocks`), filled with random bytes, then `swaps`
+    blocks swapped out and back in (so the CPU tier holds data too)."""
+    model = BlockModel(backend, rng)
+    model.attach()
+    model.fill(range(backend.spec.num_gpu_blocks) if blocks is None else blocks)
+    model.swap_round(swaps)
+    return model
+
+
 def test_liquid_cycles_with_worker_processes_keep_every_block_bit_for_bit():
     """tp 1 -> 2 -> 4 -> 2 -> 1, twice, worker processes: after every step every live GPU block and used CPU
     block is checked on every rank, then swaps and a clear/restore; /dev/shm never holds a second cache."""
@@ -235,24 +245,20 @@ class _Callbacks:
 
 def test_workers_tensors_become_views_of_the_new_shape():
     spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            k0 = workers[0].key_caches[0]
-            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
-            assert block_map == {b: b for b in range(16)}
-            assert (new.num_kv_heads, new.num_gpu_blocks, new.num_cpu_blocks) == (2, 32, 16)
-            for w in pool.ranks():
-                assert w.spec == new and w.tp_size == 2
-                assert [t.shape for t in w.key_caches] == [(32, 2, 4, 8)] * spec.num_layers
-            view = pool.ranks()[0].key_caches[0]
-            assert np.shares_memory(view, k0)                # the same memory, another shape
-            assert view.ctypes.data == k0.ctypes.data
-            round_trip(backend, pool.ranks(), np.random.default_rng(1))
-            again, _ = backend.reshard(2, timeout=60)         # the same tp: nothing to do
-            assert again == new and backend.status == NORMAL
-        finally:
-            pool.close()
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        k0 = pool.ranks()[0].key_caches[0]
+        new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+        assert block_map == {b: b for b in range(16)}
+        assert (new.num_kv_heads, new.num_gpu_blocks, new.num_cpu_blocks) == (2, 32, 16)
+        for w in pool.ranks():
+            assert w.spec == new and w.tp_size == 2
+            assert [t.shape for t in w.key_caches] == [(32, 2, 4, 8)] * spec.num_layers
+        view = pool.ranks()[0].key_caches[0]
+        assert np.shares_memory(view, k0)                # the same memory, another shape
+        assert view.ctypes.data == k0.ctypes.data
+        round_trip(backend, pool.ranks(), np.random.default_rng(1))
+        again, _ = backend.reshard(2, timeout=60)         # the same tp: nothing to do
+        assert again == new and backend.status == NORMAL
 
 
 def test_bad_requests_are_refused_before_anything_changes():
@@ -329,15 +335,11 @@ def test_a_rank_killed_or_stalled_mid_step_fails_naming_it_and_restart_then_resh
     monkeypatch.setenv(TEST_PACE, "0:0.1")
     spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=16, num_kv_heads=4, head_dim=32)
     rng = np.random.default_rng(21)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 6)
+        model.detach()
+        victim = backend.transfer_pids[0]
         try:
-            model = BlockModel(backend, rng)
-            model.attach()
-            model.fill(range(spec.num_gpu_blocks))
-            model.swap_round(6)
-            model.detach()
-            victim = backend.transfer_pids[0]
             progress = backend.signals.reshard_progress
 
             done = threading.Event()
@@ -380,68 +382,60 @@ def test_a_rank_killed_or_stalled_mid_step_fails_naming_it_and_restart_then_resh
                     os.kill(victim, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-            pool.close()
 
 
 def test_a_failure_before_any_rank_overwrote_old_rows_leaves_the_old_layout_in_service():
     spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
     rng = np.random.default_rng(5)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            model = BlockModel(backend, rng)
-            model.attach()
-            model.fill(range(16))
-            model.swap_round(4)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 4)
 
-            def broken_start(ranks, new_spec):
-                pool.start(ranks, new_spec)
-                raise RuntimeError("no GPU for rank 1")
-            with pytest.raises(TransferError, match="no GPU for rank 1"):
-                backend.reshard(2, start_workers=broken_start, stop_workers=pool.stop, timeout=30)
-            assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
-            assert sorted(pool.workers) == [0]                # the new rank was stopped again
-            assert model.check() == []
-            assert model.swap_round(4) == 4 and model.check() == []
-            model.detach()
-            # a worker that cannot allocate its staging buffer aborts the prepare barrier at once
-            real = workers[0]._reshard.poll
+        def broken_start(ranks, new_spec):
+            pool.start(ranks, new_spec)
+            raise RuntimeError("no GPU for rank 1")
+        with pytest.raises(TransferError, match="no GPU for rank 1"):
+            backend.reshard(2, start_workers=broken_start, stop_workers=pool.stop, timeout=30)
+        assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
+        assert sorted(pool.workers) == [0]                # the new rank was stopped again
+        assert model.check() == []
+        assert model.swap_round(4) == 4 and model.check() == []
+        model.detach()
+        # a worker that cannot allocate its staging buffer aborts the prepare barrier at once
+        real = pool.workers[0]._reshard.poll
 
-            def no_memory():
-                from fastcache.worker import reshard as wr
-                original = wr.device_helpers
+        def no_memory():
+            from fastcache.worker import reshard as wr
+            original = wr.device_helpers
 
-                def failing(device):
-                    helpers = original(device)
+            def failing(device):
+                helpers = original(device)
 
-                    class Failing:
-                        reshape = helpers.reshape
+                class Failing:
+                    reshape = helpers.reshape
 
-                        @staticmethod
-                        def allocate_staging(*args):
-                            raise MemoryError("no memory for the staging buffer")
-                    return Failing
-                wr.device_helpers = failing
-                try:
-                    real()
-                finally:
-                    wr.device_helpers = original
-            workers[0]._reshard.poll = no_memory
-            t0 = time.monotonic()
-            with pytest.raises(TransferError, match="worker rank 0 reported a failure"):
-                backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
-            assert time.monotonic() - t0 < 5
-            workers[0]._reshard.poll = real
-            assert backend.status == NORMAL and backend.tp_size == 1
-            model.attach()
-            assert model.check() == []
-            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
-            model.remap(block_map, backend.last_reshard["cpu_block_map"])
-            model.attach()
-            assert model.check() == [] and new.num_kv_heads == 2
-            model.detach()
-        finally:
-            pool.close()
+                    @staticmethod
+                    def allocate_staging(*args):
+                        raise MemoryError("no memory for the staging buffer")
+                return Failing
+            wr.device_helpers = failing
+            try:
+                real()
+            finally:
+                wr.device_helpers = original
+        pool.workers[0]._reshard.poll = no_memory
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="worker rank 0 reported a failure"):
+            backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        assert time.monotonic() - t0 < 5
+        pool.workers[0]._reshard.poll = real
+        assert backend.status == NORMAL and backend.tp_size == 1
+        model.attach()
+        assert model.check() == []
+        new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        model.remap(block_map, backend.last_reshard["cpu_block_map"])
+        model.attach()
+        assert model.check() == [] and new.num_kv_heads == 2
+        model.detach()
 
 
 def test_the_cpu_tier_is_compacted_on_a_scale_in_and_the_allocator_follows():
@@ -504,10 +498,7 @@ def test_peak_shared_memory_during_a_step_is_the_cache_plus_staging():
     spec = small_spec(num_layers=4, num_gpu_blocks=128, num_cpu_blocks=64, num_kv_heads=2, head_dim=64)
     rng = np.random.default_rng(13)
     with in_process_deployment(spec, tp=1) as (backend, pool):
-        model = BlockModel(backend, rng)
-        model.attach()
-        model.fill(range(128))                   # every page of the cache
-        model.swap_round(8)
+        model = filled_model(backend, rng, 8)    # every page of the cache
         model.touch()
         model.detach()
         one_rank = shm_now(backend, nominal=True)
@@ -564,41 +555,34 @@ def test_a_new_rank_killed_while_it_fills_its_memory_rolls_back_to_the_old_layou
     monkeypatch.setenv(TEST_PACE, "1:0.1")
     spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=16, num_kv_heads=4, head_dim=32)
     rng = np.random.default_rng(31)
-    with deployment(spec, tp=1) as (backend, workers):
-        pool = InProcessWorkers(backend, workers)
-        try:
-            model = BlockModel(backend, rng)
-            model.attach()
-            model.fill(range(spec.num_gpu_blocks))
-            model.swap_round(6)
-            model.detach()
-            killed = []
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 6)
+        model.detach()
+        killed = []
 
-            def start_then_kill_later(ranks, new_spec):
-                pool.start(ranks, new_spec)
-                proc = backend._procs[1]
+        def start_then_kill_later(ranks, new_spec):
+            pool.start(ranks, new_spec)
+            proc = backend._procs[1]
 
-                def later():
-                    time.sleep(0.5)     # rank 1 is in the middle of its (paced) program by then
-                    proc.kill()
-                    killed.append(proc.pid)
-                threading.Thread(target=later, daemon=True).start()
-            t0 = time.monotonic()
-            with pytest.raises(TransferError, match="rank 1"):
-                backend.reshard(2, start_workers=start_then_kill_later, stop_workers=pool.stop, timeout=20,
-                                staging_bytes=4096)
-            assert killed and time.monotonic() - t0 < 10
-            assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
-            assert sorted(pool.workers) == [0] and len(backend.transfer_pids) == 1
-            model.attach()
-            assert model.check() == []
-            assert model.swap_round(4) == 4 and model.check() == []
-            model.detach()
-            monkeypatch.delenv(TEST_PACE)
-            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
-            model.remap(block_map, backend.last_reshard["cpu_block_map"])
-            model.attach()
-            assert model.check() == []
-            model.detach()
-        finally:
-            pool.close()
+            def later():
+                time.sleep(0.5)     # rank 1 is in the middle of its (paced) program by then
+                proc.kill()
+                killed.append(proc.pid)
+            threading.Thread(target=later, daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="rank 1"):
+            backend.reshard(2, start_workers=start_then_kill_later, stop_workers=pool.stop, timeout=20,
+                            staging_bytes=4096)
+        assert killed and time.monotonic() - t0 < 10
+        assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
+        assert sorted(pool.workers) == [0] and len(backend.transfer_pids) == 1
+        model.attach()
+        assert model.check() == []
+        assert model.swap_round(4) == 4 and model.check() == []
+        model.detach()
+        monkeypatch.delenv(TEST_PACE)
+        new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        model.remap(block_map, backend.last_reshard["cpu_block_map"])
+        model.attach()
+        assert model.check() == []
+        model.detach()
