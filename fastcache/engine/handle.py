@@ -10,18 +10,65 @@ from ..errors import TransferError
 log = logging.getLogger("fastcache.engine")
 
 
-class TransferHandle:
+class Completion:
+    """What every handle shares: completion callbacks that run before result() returns, the event
+    result() waits on, and the time from creation to completion. A subclass says when it is still
+    waiting (`_waiting`, under the lock), what failed (`error`) and what a timeout names."""
+
+    def __init__(self):
+        self.elapsed = None                  # seconds from submission to completion
+        self._start = time.perf_counter()
+        self._callbacks = []
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+
+    def add_done_callback(self, fn):
+        """Call fn(handle) once the handle is done, before result() returns to any waiter (so what
+        the callback records is visible to whoever waited); at once if that has happened already.
+        Callbacks run on the thread that completes the handle (usually the engine's I/O thread): keep
+        them short, and never call into the backend from them."""
+        with self._lock:
+            if self._waiting():
+                self._callbacks.append(fn)
+                return
+        _call(fn, self)
+
+    def _completed(self):
+        """Called under the lock by whoever saw the last part finish; returns the callbacks to _release."""
+        self.elapsed = time.perf_counter() - self._start
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    def _release(self, callbacks):
+        for fn in callbacks:
+            _call(fn, self)
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None):
+        """Wait until done; raise TransferError naming what failed."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(self._timeout_message(timeout))
+        error = self.error
+        if error:
+            raise TransferError(error)
+        return self
+
+    def __repr__(self):
+        state = "failed" if self.error else "done" if self.done() else "pending"
+        return f"{type(self).__name__}({self._describe()}, {state})"
+
+
+class TransferHandle(Completion):
     def __init__(self, task_id: int, kind: str, ranks, nbytes: int):
+        super().__init__()
         self.task_id = task_id
         self.kind = kind
         self.nbytes = nbytes                 # bytes moved over all ranks
-        self.elapsed = None                  # seconds from submission to the last rank's report
-        self._start = time.perf_counter()
         self._pending = set(ranks)
         self._errors: dict[int, str] = {}
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._callbacks = []
 
     @classmethod
     def completed(cls, kind: str) -> "TransferHandle":
@@ -30,16 +77,8 @@ class TransferHandle:
         handle._rank_finished(None)
         return handle
 
-    def add_done_callback(self, fn):
-        """Call fn(handle) once every rank has reported, before result() returns to any waiter (so what
-        the callback records is visible to whoever waited); at once if that has happened already.
-        Callbacks run on the thread that completes the handle (usually the engine's I/O thread): keep
-        them short, and never call into the backend from them."""
-        with self._lock:
-            if self._pending:
-                self._callbacks.append(fn)
-                return
-        _call(fn, self)
+    def _waiting(self) -> bool:
+        return bool(self._pending)
 
     def _rank_finished(self, rank: int, error: str | None = None):
         """Called by the engine's I/O thread (or on a rank's death) once per rank."""
@@ -51,11 +90,8 @@ class TransferHandle:
                 self._errors[rank] = error
             if self._pending:
                 return
-            self.elapsed = time.perf_counter() - self._start
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            _call(fn, self)
-        self._event.set()
+            callbacks = self._completed()
+        self._release(callbacks)
 
     @property
     def error(self) -> str | None:
@@ -69,21 +105,12 @@ class TransferHandle:
         with self._lock:
             return set(self._pending)
 
-    def done(self) -> bool:
-        return self._event.is_set()
+    def _timeout_message(self, timeout):
+        return (f"task {self.task_id} ({self.kind}) not done after {timeout} s; "
+                f"waiting for ranks {sorted(self.pending_ranks())}")
 
-    def result(self, timeout: float | None = None):
-        """Wait until every rank is done; raise TransferError naming each failed rank."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"task {self.task_id} ({self.kind}) not done after {timeout} s; "
-                               f"waiting for ranks {sorted(self.pending_ranks())}")
-        if self._errors:
-            raise TransferError(self.error)
-        return self
-
-    def __repr__(self):
-        state = "failed" if self._errors else "done" if self.done() else "pending"
-        return f"TransferHandle(task_id={self.task_id}, kind={self.kind}, {state})"
+    def _describe(self):
+        return f"task_id={self.task_id}, kind={self.kind}"
 
 
 def _call(fn, handle):
