@@ -199,3 +199,62 @@ def test_two_deployments_share_prefixes_through_the_store(tmp_path):
         check(workers, list(range(10, 15)), want)
         cache.close()
         assert TieredCache(backend, "shared-other", capacity=4).lookup(hashes) == 0
+
+
+# -- races between engine threads (found by a stress run: engine threads, a small CPU tier, the store) --
+def test_a_load_through_the_store_refuses_when_its_cpu_tier_hashes_leave_while_the_store_is_asked(tmp_path):
+    """load() lets go of the lock while it asks the store; it must decide again afterwards, not assume
+    that what the CPU tier held before is still there."""
+    rng = np.random.default_rng(11)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m/0", capacity=2)
+        a, b = 101, 102
+        want = fill(workers, list(range(6)), rng)
+        cache.store([b], [0]).result(30)
+        cache.store([103, 104], [1, 2]).result(30)      # b goes down to the store
+        cache.store([a], [3]).result(30)                # the CPU tier holds a and 103
+        assert cache.lookup_tiers([a, b]) == (2, 1)
+        real = backend.store_contains
+
+        def meanwhile(namespace, hashes):               # another engine thread stores while load() asks
+            backend.store_contains = real
+            cache.store([201, 202], [4, 5]).result(30)  # evicts a (into the store)
+            return real(namespace, hashes)
+        backend.store_contains = meanwhile
+        with pytest.raises(ValueError, match="retry the load"):
+            cache.load([a, b], [6, 7])
+        assert all(not e[2] for e in cache._index.values())          # nothing left pinned
+        poison(workers, [6, 7], rng)
+        cache.load([a, b], [6, 7]).result(30)           # retried: both come up from the store
+        check(workers, [6, 7], [np.stack([w[3], w[0]]) for w in want])
+        cache.close()
+
+
+def test_a_load_short_of_blocks_puts_its_victims_into_the_store_before_their_blocks_are_reused(tmp_path):
+    """A load that evicts, then finds too few blocks for its store hits, hands the blocks back; the
+    write-back of what it evicted must be queued before another thread can take those blocks, or the
+    store would keep another block's bytes (under a valid header) for the evicted hash."""
+    rng = np.random.default_rng(12)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m/0", capacity=2)
+        h1, h2, a, v, w = 301, 302, 303, 304, 305
+        want = fill(workers, list(range(5)), rng)       # GPU block i holds the bytes of [h1, h2, a, v, w][i]
+        for h, g in ((h1, 0), (h2, 1), (a, 2), (v, 3)):
+            cache.store([h], [g]).result(30)            # h1 and h2 go down; the CPU tier holds a and v
+        assert backend.store_contains("m/0", [h1, h2]).all()
+        real = backend.cpu_to_store
+
+        def meanwhile(namespace, hashes, blocks):       # another engine thread stores before the put is queued
+            if v in list(hashes):
+                backend.cpu_to_store = real
+                cache.store([w], [4]).result(30)
+            return real(namespace, hashes, blocks)
+        backend.cpu_to_store = meanwhile
+        with pytest.raises(TransferError, match="no CPU block free"):
+            cache.load([a, h1, h2], [10, 11, 12])       # a is its own, v is evicted: one block for two hits
+        backend.cpu_to_store = real
+        wait_for(lambda: backend.store_contains("m/0", [v]).all(), 30, "the write-back of v")
+        poison(workers, [13], rng)
+        cache.load([v], [13]).result(30)                # v comes back from the store, with its own bytes
+        check(workers, [13], [w_[3:4] for w_ in want])
+        cache.close()

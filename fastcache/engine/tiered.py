@@ -378,12 +378,16 @@ class TieredCache(L3Tier):
         if entry[PINS] or entry[STATE] != DONE or entry[BLOCK] is None:
             return
         block, entry[BLOCK] = entry[BLOCK], None
-        if entry[QUOTA] != self._quota or entry[QUOTA] != self.backend.allocator.generation:
-            return                                  # a clear took the quota back already
+        self._give_back([block], entry[QUOTA])
+
+    def _give_back(self, blocks, quota):
+        """Blocks taken under `quota` and not used: free again, unless a clear took the quota meanwhile."""
+        if quota != self._quota or quota != self.backend.allocator.generation:
+            return
         if self._closed:
-            self.backend.allocator.free([block])
+            self.backend.allocator.free(blocks)
         else:
-            self._free.append(block)
+            self._free.extend(blocks)
 
     def _drop_all(self):
         self._drops += 1

@@ -204,17 +204,20 @@ class L3Tier:
             self._check_usable()
             if namespace != self._namespace:
                 raise TransferError("the namespace changed during the load")
-            fetch = [k for k in wanted if k not in self._visible]
+            # the lock was let go while the store was asked: decide again from what the CPU tier holds now
+            fetch = [k for k in dict.fromkeys(keys) if k not in self._visible]
             if not fetch:                   # the CPU tier has them all by now
                 return None
-            busy = next((k for k in fetch if k in self._index), None)
-            if busy is not None:
-                raise ValueError(f"hash {busy:#x} is being stored or fetched right now; retry the load")
+            asked = set(wanted)
+            moved = next((k for k in fetch if k not in asked or k in self._index), None)
+            if moved is not None:           # evicted since (maybe stored again), or being stored or fetched
+                raise ValueError(f"hash {moved:#x} left the CPU tier or is being stored or fetched right now; "
+                                 f"retry the load")
+            quota = self._quota
             blocks = self._take_blocks(len(fetch), keys)
             taken = self._take_victims()
             full = len(blocks) < len(fetch)
             if full:
-                self._free.extend(blocks)
                 self._counts["store_full"] += len(fetch)
             else:
                 new = [[block, self._quota, 0, STORING] for block in blocks]
@@ -225,7 +228,9 @@ class L3Tier:
                 self._touch(keys)
                 drops = self._drops
         self._write_back(taken)             # before the fetch that reuses the evicted blocks
-        if full:
+        if full:        # the blocks go back only now: a put of an evicted one must be queued before any reuse
+            with self._lock:
+                self._give_back(blocks, quota)
             raise TransferError(f"load: no CPU block free for {len(fetch)} store hits: the CPU tier's "
                                 f"{self.capacity} blocks hold this load's other hashes or are in use by transfers")
         batch = (keys, entries, fetch, new, drops)
