@@ -1,0 +1,100 @@
+"""Engine threads over a TieredCache with a directory store below a small CPU tier, while transfer
+managers are restarted and the namespace changes: every loaded block is checked on every rank, and at the
+end every CPU block is accounted for and nothing is left pinned. A few seconds per run; this is the run
+that found the two races pinned down by tests in test_tiered_l3.py."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import deployment, small_spec
+from fastcache import TieredCache, TransferError
+from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
+from test_tiered import Bytes
+
+THREADS, OWN = 6, 8         # engine threads, GPU blocks each owns
+CPU_BLOCKS = 16             # a small CPU tier: loads and stores evict all the time
+PROMPT = 6                  # blocks per request; chained hashes from a small space share prefixes
+
+
+def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
+    data = Bytes(backend.spec, workers)
+    counts, errors = collections.Counter(), []
+    stop = threading.Event()
+    write_lock = threading.Lock()
+
+    def engine(t):
+        rng = np.random.default_rng(t)
+        mine = list(range(t * OWN, t * OWN + PROMPT))
+        while not stop.is_set():
+            steps = [int(rng.integers(0, 12))] + [int(x) for x in rng.integers(0, 6, PROMPT - 1)]
+            prompt = [sum(steps[:i + 1]) * 1000 + i for i in range(PROMPT)]
+            try:
+                n = cache.lookup(prompt)
+                if n:
+                    try:
+                        cache.load(prompt[:n], mine[:n]).result(30)
+                    except (ValueError, TransferError):     # evicted since the lookup, no block, a restart
+                        n = 0
+                    else:
+                        bad = data.bad(prompt[:n], mine[:n])
+                        if any(bad):
+                            errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
+                        counts["loaded"] += n
+                with write_lock:
+                    data.write(prompt[n:], mine[n:])
+                cache.store(prompt, mine).result(30)
+                counts["stored"] += 1
+            except TransferError:       # a restart or a namespace change in the middle: expected
+                counts["refused"] += 1
+                time.sleep(0.005)
+            except Exception as exc:
+                errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
+                return
+
+    def chaos():
+        rng = np.random.default_rng(99)
+        for k in range(1, 10**6):
+            if stop.wait(0.8):
+                return
+            try:
+                if change_namespace and k % 3 == 0:
+                    cache.namespace = f"stress/{k}"
+                    counts["namespaces"] += 1
+                elif restart_ranks:
+                    backend.restart_rank(int(rng.integers(0, backend.tp_size)))
+                    backend.wait_ready(timeout=30)
+                    counts["restarts"] += 1
+            except Exception as exc:
+                errors.append(f"chaos: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=chaos)]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a thread hung"
+    return counts, errors
+
+
+@pytest.mark.parametrize("write, restart_ranks", [("back", True), ("through", False)])
+def test_engine_threads_over_a_small_cpu_tier_and_the_store_never_load_wrong_bytes(tmp_path, write, restart_ranks):
+    spec = small_spec(num_gpu_blocks=THREADS * OWN, num_cpu_blocks=CPU_BLOCKS)
+    with deployment(spec, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "stress/0", write=write)
+        counts, errors = run(backend, workers, cache, 6.0, restart_ranks, change_namespace=True)
+        assert errors == []
+        stats = cache.stats()
+        assert counts["loaded"] > 100 and stats["l3_loaded_blocks"] > 0 and counts["namespaces"] >= 1, (counts, stats)
+        assert counts["restarts"] >= 1 or not restart_ranks
+        time.sleep(0.5)             # write-backs and write-throughs still in flight finish
+        blocks = [e[BLOCK] for e in cache._index.values()]
+        assert sorted(blocks + cache._free) == list(range(CPU_BLOCKS))
+        assert all(e[STATE] == READY and not e[PINS] for e in cache._index.values())
+        cache.close()
