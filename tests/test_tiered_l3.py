@@ -4,6 +4,7 @@ test_store_mooncake.py runs the main path against Mooncake."""
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -257,4 +258,33 @@ def test_a_load_short_of_blocks_puts_its_victims_into_the_store_before_their_blo
         poison(workers, [13], rng)
         cache.load([v], [13]).result(30)                # v comes back from the store, with its own bytes
         check(workers, [13], [w_[3:4] for w_ in want])
+        cache.close()
+
+
+def test_a_write_through_is_put_under_the_namespace_its_block_was_stored_in(tmp_path):
+    """The namespace may change the moment the swap-out's callback lets go of the lock: the put must still
+    go under the old one (new weights must never find old KV)."""
+    rng = np.random.default_rng(13)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m/0", write="through")
+        fill(workers, [0], rng)
+        lock = cache._lock
+
+        class ChangeRightAfter:             # the namespace changes as _write_through's lock is let go
+            armed = True
+
+            def __enter__(self):
+                lock.acquire()
+
+            def __exit__(self, *exc):
+                lock.release()
+                if self.armed and sys._getframe(1).f_code.co_name == "_write_through":
+                    self.armed = False
+                    cache.namespace = "m/1"
+        cache._lock = ChangeRightAfter()
+        cache.store([7], [0]).result(30)
+        assert cache.namespace == "m/1"
+        wait_for(lambda: cache.stats()["l3_written_blocks"] == 1, 30, "the write-through")
+        assert backend.store_contains("m/0", [7]).all() and not backend.store_contains("m/1", [7]).any()
+        cache._lock = lock
         cache.close()

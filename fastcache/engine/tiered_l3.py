@@ -108,11 +108,12 @@ class L3Tier:
         with self._lock:
             if not self._l3_usable():
                 return
+            namespace = self._namespace     # read here: a namespace set after the lock must not name these
             pinned = [(k, e) for k, e in zip(new, entries) if self._index.get(k) is e]
             for _, entry in pinned:
                 entry[PINS] += 1            # not evicted (its block not reused) before the put has read it
         if pinned:
-            self._l3_jobs.put((self._namespace, pinned))
+            self._l3_jobs.put((namespace, pinned))
             self._start_writer()
 
     def _start_writer(self):
