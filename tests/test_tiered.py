@@ -530,3 +530,24 @@ def test_sim_swaps_a_512_block_task_of_32_kib_rows_at_random_ids_bit_exact():
         randomize(workers[0], rng)             # fresh bytes at the destination: a missed row must show
         backend.swap_in(back, cpu).result(60)
         np.testing.assert_array_equal(cpu_image(workers[0], back), want)
+
+def test_a_block_let_go_between_a_reshards_snapshot_and_its_remap_stays_the_caches():
+    """A store refused as a reshard begins drops its entries whenever its thread gets there: after the
+    step's snapshot of the quota's free blocks, that block counted as live, so it is renamed, not lost."""
+    from fastcache.engine.reshard_phase import remap_tiered_cache
+    backend = FakeBackend(num_cpu_blocks=8)
+    backend.auto = True
+    cache = TieredCache(backend, "ns", capacity=4)
+    cache.store([1, 2], [0, 1]).result(1)
+    snapshot = list(cache._free)                     # what the step saw free
+    live = sorted(backend.allocator.used_ids() - set(snapshot))
+    with cache._lock:
+        cache._drop(2, cache._index[2])              # the late release
+    cpu_map = {b: i for i, b in enumerate(live)}     # the step compacts the live blocks to the front
+    backend.allocator.remap(cpu_map, 8)
+    remap_tiered_cache(cache, cpu_map, snapshot, backend.allocator)
+    blocks = [e[BLOCK] for e in cache._index.values()] + cache._free
+    assert len(blocks) == len(set(blocks)) == cache.capacity == 4
+    assert set(blocks) == backend.allocator.used_ids()
+    cache.store([3, 4, 5], [2, 3, 4]).result(1)      # the whole quota serves again
+    assert cache.lookup([1]) == 1 and cache.lookup([3, 4, 5]) == 3

@@ -525,6 +525,8 @@ def remap_tiered_cache(cache, cpu_map: dict, free: list, allocator):
                 cache._drop(key, entry)
                 continue
             entry[BLOCK] = cpu_map[block]
+        # a block let go after the snapshot (a store refused as the step began) was live: renamed, still the cache's
+        released = [cpu_map[b] for b in cache._free if b in cpu_map]
         take = min(len(free), allocator.num_free)
-        cache._free = allocator.allocate(take)[::-1]
+        cache._free = allocator.allocate(take)[::-1] + released
         cache.capacity -= len(free) - take
