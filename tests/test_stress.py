@@ -1,7 +1,8 @@
-"""Engine threads over a TieredCache with a directory store below a small CPU tier, while transfer
-managers are restarted and the namespace changes: every loaded block is checked on every rank, and at the
-end every CPU block is accounted for and nothing is left pinned. A few seconds per run; this is the run
-that found the two races pinned down by tests in test_tiered_l3.py."""
+"""Stress runs of a few seconds each, every byte checked:
+- engine threads over a TieredCache with a directory store below a small CPU tier, while transfer managers
+  are restarted and the namespace changes; at the end every CPU block is accounted for and nothing is left
+  pinned (this is the run that found the two races pinned down by tests in test_tiered_l3.py);
+- engine threads doing raw swap rounds on their own blocks while transfer managers are restarted."""
 from __future__ import annotations
 
 import collections
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import deployment, small_spec
+from conftest import all_tensors, deployment, small_spec
 from fastcache import TieredCache, TransferError
 from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
 from test_tiered import Bytes
@@ -98,3 +99,53 @@ def test_engine_threads_over_a_small_cpu_tier_and_the_store_never_load_wrong_byt
         assert sorted(blocks + cache._free) == list(range(CPU_BLOCKS))
         assert all(e[STATE] == READY and not e[PINS] for e in cache._index.values())
         cache.close()
+
+
+def test_engine_threads_swapping_while_ranks_restart_never_read_back_wrong_bytes():
+    spec = small_spec(num_gpu_blocks=THREADS * OWN, num_cpu_blocks=THREADS * OWN)
+    counts, errors = collections.Counter(), []
+    with deployment(spec, tp=2) as (backend, workers):
+        tensors = [all_tensors(w) for w in workers]
+        cpu_blocks = backend.allocate_cpu_blocks(THREADS * OWN)
+        stop = threading.Event()
+
+        def engine(t):
+            rng = np.random.default_rng(t)
+            gpu, cpu = range(t * OWN, (t + 1) * OWN), cpu_blocks[t * OWN:(t + 1) * OWN]
+            while not stop.is_set():
+                k = int(rng.integers(1, OWN + 1))
+                src, dst = (rng.permutation(gpu)[:k].tolist() for _ in range(2))
+                via = rng.permutation(cpu)[:k].tolist()
+                for rows in (rows for ranks in tensors for rows in ranks):
+                    rows[src] = rng.integers(0, 256, rows[src].shape, dtype=np.uint8)
+                want = [rows[src].copy() for ranks in tensors for rows in ranks]
+                try:
+                    backend.swap_out(src, via).result(30)
+                    for rows in (rows for ranks in tensors for rows in ranks):
+                        rows[dst] = rng.integers(0, 256, rows[dst].shape, dtype=np.uint8)
+                    backend.swap_in(dst, via).result(30)
+                except TransferError:       # a rank restarting: this round proves nothing
+                    counts["refused"] += 1
+                    time.sleep(0.005)
+                    continue
+                got = [rows[dst] for ranks in tensors for rows in ranks]
+                if not all(np.array_equal(g, w) for g, w in zip(got, want)):
+                    errors.append(f"thread {t}: swapped blocks came back different")
+                counts["rounds"] += 1
+
+        def restarts():
+            rng = np.random.default_rng(5)
+            while not stop.wait(0.7):
+                backend.restart_rank(int(rng.integers(0, backend.tp_size)))
+                backend.wait_ready(timeout=30)
+                counts["restarts"] += 1
+
+        threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=restarts)]
+        for thread in threads:
+            thread.start()
+        time.sleep(5.0)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+            assert not thread.is_alive(), "a thread hung"
+        assert errors == [] and counts["rounds"] > 100 and counts["restarts"] >= 2, counts
