@@ -203,3 +203,22 @@ def test_tiered_cache_keeps_serving_from_the_cpu_tier_with_the_master_dead():
         cache.load([5, 6, 7, 8], [10, 11, 12, 13]).result(timeout=30)
         check(workers, [10, 11, 12, 13], [w[4:] for w in want])
         cache.close()
+
+
+def test_a_full_store_skips_puts_instead_of_failing_them():
+    """A cache's store is full most of the time: a put that finds no room is a later miss, never an error
+    (an error would set the store aside for every lookup and load)."""
+    spec = small_spec(num_layers=8, block_size=32, num_kv_heads=4, head_dim=128, num_gpu_blocks=8,
+                      num_cpu_blocks=64)                # 512 KiB blocks: 32 MiB of them for a 16 MiB store
+    rng = np.random.default_rng(21)
+    with MooncakeService(segment_mb=16) as svc, deployment(spec, tp=1, store=svc.url) as (backend, _):
+        tier = backend.cpu_tier(0)
+        tier[:] = rng.integers(1, 256, tier.shape, dtype=np.uint8)
+        want = tier.copy()
+        hashes = [int(h) for h in rng.integers(0, 2**63, 64)]
+        backend.cpu_to_store("full", hashes, range(64)).result(timeout=60)
+        held = np.flatnonzero(backend.store_contains("full", hashes))
+        assert 0 < len(held) < 64
+        tier[held] = 0
+        backend.store_to_cpu("full", [hashes[i] for i in held], held).result(timeout=60)
+        np.testing.assert_array_equal(tier[held], want[held])

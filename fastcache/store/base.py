@@ -33,9 +33,10 @@ class BlockStore(ABC):
         self.tier = None
 
     @abstractmethod
-    def put(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray):
+    def put(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray) -> int:
         """Store CPU block cpu_ids[i] as the object of hashes[i]. An object becomes visible whole or not at
-        all. Raises StoreError."""
+        all. Returns how many were not stored because the store is full right now (a cache's normal state:
+        those are later misses, not errors). Raises StoreError when the store itself fails."""
 
     @abstractmethod
     def get(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray) -> np.ndarray:

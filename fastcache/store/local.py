@@ -69,6 +69,7 @@ class FileStore(BlockStore):
             except OSError as exc:
                 _unlink(tmp)
                 raise StoreError(f"store {self.url}: writing {final} failed: {exc}") from None
+        return 0                    # a full disk is an error here: nothing evicts to make room
 
     def get(self, keys, hashes, cpu_ids):
         base = self._dir(keys)

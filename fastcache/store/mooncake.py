@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from .base import BlockStore, StoreError
-from .keys import HEADER_BYTES, ObjectKeys
+from .keys import HEADER_BYTES
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that we name or treat specially
 CODES = {-10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
@@ -32,6 +32,8 @@ MISS_CODES = {-703, -704, -710, -712}
 # what a fetch of an object longer (INVALID_PARAMS: buffers too small) or shorter (TRANSFER_FAIL) than
 # header + block returns; the object's size then tells a foreign object from a failed transfer
 SIZE_CODES = {-600, -800}
+# a put that finds no room (the store evicts in the background): the object is skipped, as a full cache does
+FULL_CODES = {-200}
 # objects per Mooncake call: one failure costs one bounded call, and checksums of one part overlap the
 # transfer of the next
 BATCH_OBJECTS = 256
@@ -110,10 +112,18 @@ class MooncakeStore(BlockStore):
                 names.append(keys.name(h))
             return (names, *self._buffers(cpu_ids[part]))
 
+        full = 0
+
         def finish(part, job, codes):
-            self._check("put", job[0], codes)
+            nonlocal full
+            for name, code in zip(job[0], codes):
+                if code in FULL_CODES:
+                    full += 1
+                elif code < 0:
+                    raise StoreError(f"store {self.url}: put of {name} failed: {_name(code)}")
 
         self._pipelined(len(hashes), prepare, self._client.batch_put_from_multi_buffers, finish)
+        return full
 
     def get(self, keys, hashes, cpu_ids):
         hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
@@ -181,11 +191,6 @@ class MooncakeStore(BlockStore):
         for name, code in zip(names, self._client.batch_remove(names, True) if names else []):
             if code not in (0, -704):
                 raise StoreError(f"store {self.url}: remove of {name} failed: {_name(code)}")
-
-    def _check(self, op, names, codes):
-        for name, code in zip(names, codes):
-            if code < 0:
-                raise StoreError(f"store {self.url}: {op} of {name} failed: {_name(code)}")
 
     def close(self):
         if self._client is not None:

@@ -6,7 +6,9 @@ tier is attached to the store once and again whenever the transfer manager attac
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +18,8 @@ from ..ipc import protocol
 from ..store import ObjectKeys, StoreError, fingerprint, open_store
 from ..store.base import MISS
 from .scheduler import Task
+
+log = logging.getLogger("fastcache.transfer")
 
 
 @dataclass
@@ -37,6 +41,8 @@ class StoreIO:
         self._tier = None               # the CPU tier the store has attached
         self._keys = {}                 # (namespace, fingerprint) -> ObjectKeys
         self._lock = threading.Lock()   # both L3 executor threads may open the store
+        self.skipped_full = 0           # objects a full store did not take
+        self._full_logged = -60.0
 
     def run(self, task: StoreTask, tier: np.ndarray, spec: CacheSpec, tp_size: int) -> int:
         """Execute one L3 task against `tier` (the rank's CPU tier); returns the bytes moved."""
@@ -46,7 +52,10 @@ class StoreIO:
         if keys is None:
             keys = self._keys[(task.namespace, fp)] = ObjectKeys(task.namespace, fp, self.rank)
         if task.kind == protocol.CPU_TO_STORE:
-            store.put(keys, task.hashes, task.cpu_ids)
+            full = store.put(keys, task.hashes, task.cpu_ids)
+            if full:
+                self._note_full(full)
+            return (len(task.cpu_ids) - full) * spec.cpu_block_bytes
         else:
             hits = store.get(keys, task.hashes, task.cpu_ids)
             if not hits.all():
@@ -54,6 +63,15 @@ class StoreIO:
                                  f"or not matching their header (evicted, foreign or corrupt), e.g. hash "
                                  f"{int(task.hashes[~hits][0]):#018x}")
         return len(task.cpu_ids) * spec.cpu_block_bytes
+
+    def _note_full(self, n):
+        """Puts a full store skipped: later misses, not errors. Logged at most once a minute."""
+        self.skipped_full += n
+        now = time.monotonic()
+        if now >= self._full_logged + 60:
+            self._full_logged = now
+            log.info("rank %d: store %s full: %d puts skipped so far (it evicts to make room)", self.rank, self.url,
+                     self.skipped_full)
 
     def _open(self, tier):
         with self._lock:
