@@ -586,3 +586,40 @@ def test_a_new_rank_killed_while_it_fills_its_memory_rolls_back_to_the_old_layou
         model.attach()
         assert model.check() == []
         model.detach()
+
+
+def test_a_reshard_waits_for_a_cache_call_that_named_blocks_it_has_not_submitted_yet(tmp_path):
+    """A store evicts x (naming x's CPU block for its write-back), then stalls before submitting: a reshard
+    that began meanwhile must not rename the blocks under it, or the write-back would put another block's
+    bytes under x in the new geometry. The reshard waits for the call, whose submissions are then refused."""
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    with deployment(spec, tp=1, store=f"file://{tmp_path}/l3") as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            cache = TieredCache(backend, "m/0", capacity=2)
+            x, y, z = 11, 12, 13
+            cache.store([x], [0]).result(10)
+            cache.store([y], [1]).result(10)
+            real, done = cache._write_back, threading.Event()
+            results = []
+
+            def reshard():
+                try:
+                    results.append(backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60))
+                finally:
+                    done.set()
+
+            def stalled_write_back(taken):              # the thread stalls right after naming x's block
+                if [key for key, _ in taken[1]] == [x]:
+                    threading.Thread(target=reshard).start()
+                    done.wait(3)                        # a reshard that does not wait completes meanwhile
+                return real(taken)
+            cache._write_back = stalled_write_back
+            with pytest.raises(TransferError, match="RESHARDING"):
+                cache.store([z], [2])                   # evicts x; its submissions come during the step
+            assert done.wait(60) and len(results) == 1 and backend.tp_size == 2
+            assert not backend.store_contains("m/0", [x]).any()     # nothing was put with a stale block id
+            assert cache.lookup([y]) == 1
+            cache.close()
+        finally:
+            pool.close()

@@ -180,6 +180,7 @@ class ReshardPhase:
             self.signals.status = RESHARDING           # refuses new swaps from here on
             self.allocator.freeze("a reshard is in progress")
             try:
+                self._wait_caches_quiet(deadline)
                 self._drain(deadline)
                 if step is not self._pending_reshard:
                     self._replan(step)                 # what the CPU tier holds may have changed meanwhile
@@ -234,6 +235,13 @@ class ReshardPhase:
                          old.staging_bytes)
         step.quota_free = quota_free
         self._check_reshard_fits(step.plan)
+
+    def _wait_caches_quiet(self, deadline):
+        """A TieredCache call past its checks may hold CPU block ids it has yet to submit (its submission is
+        refused now): the blocks are counted and renamed only once no such call is left."""
+        for cache in list(self._tiered_caches):
+            if not cache.wait_quiet(max(0.0, deadline - time.monotonic())):
+                raise TransferError("reshard refused: a TieredCache call did not finish in time")
 
     def _quota_snapshot(self):
         quota_free = {}

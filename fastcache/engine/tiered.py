@@ -71,6 +71,10 @@ class TieredCache(L3Tier):
             raise ValueError(f"capacity must be a positive number of CPU blocks, got {capacity!r}")
         self.capacity = capacity
         self._lock = threading.Lock()
+        # calls between naming CPU blocks (under the lock) and submitting them (after it): a reshard, once it
+        # refuses new calls, waits for none to be left before it counts and renames the blocks
+        self._busy = 0
+        self._quiet = threading.Condition(self._lock)
         self._index: OrderedDict[int, list] = OrderedDict()     # every entry, least recently used first
         self._visible: set[int] = set()                          # the READY ones: what lookup sees
         self._drops = 0     # counts removals other than evictions (which never touch an entry in flight)
@@ -156,18 +160,22 @@ class TieredCache(L3Tier):
             self._check_usable()
             batch = self._place(keys, gpu)
             taken = self._take_victims()
-        self._write_back(taken)         # L3: before the swap-out that reuses the evicted blocks
-        if batch is None:
-            return TransferHandle.completed(protocol.SWAP_TO_CPU)
-        new, new_gpu, entries, _ = batch
+            self._busy += 1
         try:
-            handle = self.backend.swap_out(new_gpu, list(map(_block, entries)))
-        except BaseException:
-            with self._lock:
-                for key, entry in zip(new, entries):
-                    entry[STATE] = DONE
-                    self._drop(key, entry)
-            raise
+            self._write_back(taken)     # L3: before the swap-out that reuses the evicted blocks
+            if batch is None:
+                return TransferHandle.completed(protocol.SWAP_TO_CPU)
+            new, new_gpu, entries, _ = batch
+            try:
+                handle = self.backend.swap_out(new_gpu, list(map(_block, entries)))
+            except BaseException:
+                with self._lock:
+                    for key, entry in zip(new, entries):
+                        entry[STATE] = DONE
+                        self._drop(key, entry)
+                raise
+        finally:
+            self._end()
         handle.add_done_callback(lambda h: self._write_through(h, batch))     # before _stored: see tiered_l3
         handle.add_done_callback(lambda h: self._stored(h, batch))
         return handle
@@ -195,6 +203,7 @@ class TieredCache(L3Tier):
                 entry[PINS] += 1
             self._touch(keys)
             batch = (keys, entries, self._drops)
+            self._busy += 1
         try:
             handle = self.backend.swap_in(gpu, list(map(_block, entries)))
         except BaseException:
@@ -202,6 +211,8 @@ class TieredCache(L3Tier):
                 for key, entry in zip(keys, entries):
                     self._unpin(key, entry)
             raise
+        finally:
+            self._end()
         handle.add_done_callback(lambda h: self._loaded(h, batch))
         return handle
 
@@ -230,6 +241,18 @@ class TieredCache(L3Tier):
             if free and self._quota == self.backend.allocator.generation:
                 self.backend.allocator.free(free)
         self._stop_l3()
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait until no call is between naming CPU blocks and submitting them; False on timeout."""
+        with self._lock:
+            return self._quiet.wait_for(lambda: not self._busy, timeout)
+
+    def _end(self):
+        """A call has submitted (or given up on) the blocks it named."""
+        with self._lock:
+            self._busy -= 1
+            if not self._busy:
+                self._quiet.notify_all()
 
     def __enter__(self):
         return self

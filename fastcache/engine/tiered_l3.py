@@ -112,6 +112,7 @@ class L3Tier:
             pinned = [(k, e) for k, e in zip(new, entries) if self._index.get(k) is e]
             for _, entry in pinned:
                 entry[PINS] += 1            # not evicted (its block not reused) before the put has read it
+            self._busy += bool(pinned)      # until the writer has submitted the put
         if pinned:
             self._l3_jobs.put((namespace, pinned))
             self._start_writer()
@@ -135,6 +136,8 @@ class L3Tier:
                 self._l3_failed(f"write-through: {exc}")
                 self._unpin_all(pinned)
                 continue
+            finally:
+                self._end()
             handle.add_done_callback(lambda h, pinned=pinned, ns=namespace: self._written_through(h, pinned, ns))
 
     def _written_through(self, handle, pinned, namespace):
@@ -185,6 +188,14 @@ class L3Tier:
     def _load_l3(self, keys, gpu):
         """load() when some hashes are not in the CPU tier: fetch them from the store first. Returns None
         when the CPU tier turns out to hold them all (the caller then loads as usual)."""
+        with self._lock:
+            self._busy += 1                 # see TieredCache._busy
+        try:
+            return self._fetch_and_load(keys, gpu)
+        finally:
+            self._end()
+
+    def _fetch_and_load(self, keys, gpu):
         with self._lock:
             self._check_usable()
             namespace = self._namespace
