@@ -126,6 +126,20 @@ def test_sigkill_of_a_transfer_manager_fails_pending_and_later_tasks_then_restar
         round_trip(backend, workers, rng)
 
 
+def test_a_death_noticed_after_restart_rank_replaced_the_process_does_not_take_the_new_one_out_of_service():
+    """Supervision reads a rank's process, finds it dead and marks the rank failed; if restart_rank has put
+    a new process in its place meanwhile, that mark must not stick (every swap would be refused)."""
+    rng = np.random.default_rng(17)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        old = backend._procs[1]
+        backend.restart_rank(1)
+        backend.wait_ready(timeout=30)
+        assert old.poll() is not None and backend._procs[1] is not old
+        backend._mark_failed(1, f"transfer manager (pid {old.pid}) exited", proc=old)     # the late check
+        assert backend._failed == {}
+        round_trip(backend, workers, rng)
+
+
 def test_sigstop_of_a_transfer_manager_is_detected_by_heartbeat_then_restart_recovers(monkeypatch):
     timeout = 2.0
     fast_liveness(monkeypatch, transfer_timeout=timeout)

@@ -330,7 +330,8 @@ class SwapBackend(StoreTasks, ReshardPhase):
             self._spawn(rank, spec=step.plan.new_spec, tp=step.to_tp, device_id=step.device_ids[rank])
         else:
             self._spawn(rank)
-        self._failed.pop(rank, None)    # only now: supervision must never see the old process in service
+        with self._handles_lock:        # only now: supervision must never see the old process in service
+            self._failed.pop(rank, None)
         # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
         # attached too when the cache is up (in CLEARED it attaches on restore)
         ready = (lambda: self._attached[rank]) if self.signals.status == NORMAL else (lambda: self._registered[rank])
@@ -340,10 +341,13 @@ class SwapBackend(StoreTasks, ReshardPhase):
         if self._failed:
             raise TransferError("; ".join(f"rank {r}: {why}" for r, why in sorted(self._failed.items())))
 
-    def _mark_failed(self, rank: int, why: str, level=logging.ERROR):
+    def _mark_failed(self, rank: int, why: str, level=logging.ERROR, proc=None):
         """Take a rank out of service and fail everything it still owes (the I/O thread and a submitting
-        thread may both notice a death: it is logged once)."""
+        thread may both notice a death: it is logged once). With proc, the process found dead: a check that
+        raced restart_rank, which has put a new process in its place, is ignored."""
         with self._handles_lock:
+            if proc is not None and (rank >= len(self._procs) or self._procs[rank] is not proc):
+                return
             first = rank not in self._failed
             self._failed[rank] = why
         if first:
@@ -382,7 +386,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
             if beat and now - beat > self.settings.transfer_timeout:
                 proc.kill()         # a silent process must not wake up later and write into the cache
                 self._mark_failed(rank, f"transfer manager (pid {proc.pid}) stopped answering "
-                                        f"(no heartbeat for {now - beat:.1f} s); killed it")
+                                        f"(no heartbeat for {now - beat:.1f} s); killed it", proc=proc)
 
     def _check_exit(self, rank) -> bool:
         """If rank's transfer manager has exited, take the rank out of service naming its exit status."""
@@ -393,7 +397,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         reason = EXIT_REASONS.get(code, "it crashed" if code else "it stopped")
         if code < 0:
             reason = f"killed by {signal.Signals(-code).name}"
-        self._mark_failed(rank, f"transfer manager (pid {proc.pid}) exited with status {code}: {reason}")
+        self._mark_failed(rank, f"transfer manager (pid {proc.pid}) exited with status {code}: {reason}", proc=proc)
         return True
 
     # -- the I/O thread --------------------------------------------------------------------------
