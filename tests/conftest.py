@@ -166,3 +166,17 @@ def wait_for(predicate, timeout, what):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not within {timeout} s")
         time.sleep(0.01)
+
+
+class MemoryJournal:
+    """A reshard program's journal kept in a Python int (the real one is a shared-memory counter): the one
+    instance is handed to the interrupted run and to the run that resumes it."""
+
+    def __init__(self):
+        self.value = 0
+
+    def get(self):
+        return self.value
+
+    def set(self, value):
+        self.value = value

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("cuda.bindings.runtime")
 
 import fastcache.ops.cuda_reshard as cr  # noqa: E402
+from conftest import MemoryJournal  # noqa: E402
 from cuda.bindings import runtime  # noqa: E402
 from fastcache.config import CacheSpec  # noqa: E402
 from fastcache.engine.reshard import Capacity, Plan, run_chunks  # noqa: E402
@@ -225,14 +226,7 @@ def test_consecutive_rows_go_as_one_2d_copy_and_a_resumed_program_rewrites_only_
         chunks, _ = plan.program(1)
         run_chunks(chunks, mem.execute, flush=mem.flush)
         assert fake.copies == [(32, 32)]         # 32 consecutive rows, 2 heads of 16 bytes: one 2-D copy
-        state = {"v": 0}
-
-        class Journal:
-            def get(self):
-                return state["v"]
-
-            def set(self, v):
-                state["v"] = v
+        journal = MemoryJournal()
         chunks, journaled = plan.program(0)
         assert journaled
         calls = {"n": 0}
@@ -243,11 +237,11 @@ def test_consecutive_rows_go_as_one_2d_copy_and_a_resumed_program_rewrites_only_
             calls["n"] += 1
             mem.execute(c)
         with pytest.raises(InterruptedError):
-            run_chunks(chunks, dying, Journal(), flush=mem.flush)
-        assert state["v"] == 1
+            run_chunks(chunks, dying, journal, flush=mem.flush)
+        assert journal.value == 1
         syncs = fake.syncs
         fake.copies.clear()
-        run_chunks(chunks, mem.execute, Journal(), flush=mem.flush)     # a replacement: write from staging
+        run_chunks(chunks, mem.execute, journal, flush=mem.flush)     # a replacement: write from staging
         assert fake.copies[0] == (plan.spaces[0].new_row, 32) and fake.syncs > syncs
         mem.close()
         got = dep.blocks(2, plan.new_spec, None)

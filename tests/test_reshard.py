@@ -21,7 +21,7 @@ from fastcache.tools.liquid import BlockModel, ShmSampler, WorkerProcesses, liqu
 from fastcache.transfer.reshard import TEST_PACE
 from fastcache.worker import CacheWorker
 
-from conftest import deployment, round_trip, small_spec
+from conftest import MemoryJournal, deployment, round_trip, small_spec
 
 
 # -- the plan, without processes -------------------------------------------------------------------
@@ -57,15 +57,7 @@ def simulate(spec, m, n, live, cpu_live, staging, rng, crash=False):
             if not journaled or not crash:
                 run_chunks(chunks, execute)
                 continue
-            state = {"v": 0}
-
-            class Journal:
-                def get(self):
-                    return state["v"]
-
-                def set(self, v):
-                    state["v"] = v
-
+            journal = MemoryJournal()
             budget = int(rng.integers(0, 1 + sum(len(c.gather) + len(c.write) for c in chunks)))
 
             def dying(c):
@@ -76,8 +68,8 @@ def simulate(spec, m, n, live, cpu_live, staging, rng, crash=False):
                 execute(c)
             with pytest.raises(InterruptedError) if budget < sum(len(c.gather) + len(c.write) for c in chunks) \
                     else _nothing():
-                run_chunks(chunks, dying, Journal())
-            run_chunks(chunks, execute, Journal())          # the replacement resumes from the journal
+                run_chunks(chunks, dying, journal)
+            run_chunks(chunks, execute, journal)          # the replacement resumes from the journal
     for (key, nb), expected in want.items():
         sp = next(s for s in plan.spaces if s.key == key)
         assert np.array_equal(block(sp, nb, n, new, sp.new_row), expected), (key, nb, m, n)

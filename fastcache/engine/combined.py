@@ -22,7 +22,7 @@ class CombinedHandle(Completion):
             self._left -= 1
             if self._left:
                 return
-            callbacks = self._completed()
+            callbacks = self._mark_done()
         self._release(callbacks)
 
     @property

@@ -33,7 +33,7 @@ class Completion:
                 return
         _call(fn, self)
 
-    def _completed(self):
+    def _mark_done(self):
         """Called under the lock by whoever saw the last part finish; returns the callbacks to _release."""
         self.elapsed = time.perf_counter() - self._start
         callbacks, self._callbacks = self._callbacks, []
@@ -90,7 +90,7 @@ class TransferHandle(Completion):
                 self._errors[rank] = error
             if self._pending:
                 return
-            callbacks = self._completed()
+            callbacks = self._mark_done()
         self._release(callbacks)
 
     @property
