@@ -447,3 +447,26 @@ def test_a_failed_attach_during_restore_breaks_the_restore_at_once_and_a_restart
         backend.restore_caches(timeout=30)
         assert backend.status == NORMAL
         round_trip(backend, workers, rng)
+
+
+def test_after_restart_rank_no_task_reaches_a_pipe_of_the_old_process():
+    """restart_rank must not depend on zmq having noticed the old process's death: a pipe to it that is
+    still open (under load zmq's I/O thread can be late) would take every other task and never answer.
+    A stray peer on the rank's task endpoint stands in for that pipe."""
+    import zmq
+    rng = np.random.default_rng(23)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        context = zmq.Context()
+        stray = context.socket(zmq.PULL)
+        stray.setsockopt(zmq.LINGER, 0)
+        try:
+            stray.connect(backend._task_pushes[1].getsockopt_string(zmq.LAST_ENDPOINT))
+            time.sleep(0.2)                     # connected, like the old process's pipe
+            backend.restart_rank(1)
+            backend.wait_ready(timeout=30)
+            for _ in range(6):                  # each round trip is two tasks; one of them would go astray
+                round_trip(backend, workers, rng, n=3)
+            assert stray.poll(100) == 0, "a task reached the old pipe"
+        finally:
+            stray.close(0)
+            context.term()

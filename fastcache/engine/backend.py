@@ -7,6 +7,7 @@ the ranks' task sockets itself (under a lock); one I/O thread reads the replies 
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -26,7 +27,7 @@ from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.naming import new_suffix, swap_space_name
-from ..ipc.queue import bind_engine, identity_rank, make_socket_dir, remove_socket_dir
+from ..ipc.queue import bind_replies, bind_tasks, identity_rank, make_socket_dir, remove_socket_dir
 from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..ops import resolve_device
@@ -75,6 +76,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         self._phase_acks: dict[str, dict[int, str | None]] = {}
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
+        self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._procs: list[subprocess.Popen | None] = [None] * tp_size
         self._failed: dict[int, str] = {}          # rank -> why it is out of service
         self._registered = [False] * tp_size
@@ -105,7 +107,8 @@ class SwapBackend(StoreTasks, ReshardPhase):
             self._create_swap_spaces()
             self.socket_dir = make_socket_dir(self.suffix)
             self._context = zmq.Context()
-            self._task_pushes, self._router = bind_engine(self._context, self.socket_dir, self.tp_size)
+            self._router = bind_replies(self._context, self.socket_dir)
+            self._task_pushes = [None] * self.tp_size      # bound by _spawn, one socket per process
             self._io_stop = threading.Event()
             self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
             self._io_thread.start()
@@ -143,9 +146,16 @@ class SwapBackend(StoreTasks, ReshardPhase):
         """Start rank's transfer manager (a reshard starts new ranks with the spec and tp they will have)."""
         spec, tp = spec or self.spec, tp or self.tp_size
         device_id = self.device_ids[rank] if device_id is None else device_id
+        with self._submit_lock:     # from here on nothing sent for rank can reach an earlier process's pipe
+            incarnation = self._incarnations[rank]
+            self._incarnations[rank] += 1
+            old, self._task_pushes[rank] = self._task_pushes[rank], bind_tasks(
+                self._context, self.socket_dir, rank, incarnation)
+            if old is not None:
+                old.close(0)
         cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
-               "--device_id", str(device_id), "--ipc_suffix", self.suffix,
-               "--socket_dir", self.socket_dir, "--engine_pid", str(os.getpid()), "--device", self.device,
+               "--device_id", str(device_id), "--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir,
+               "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()), "--device", self.device,
                "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
         self._registered[rank] = self._attached[rank] = False
         self.signals.transfer_heartbeat[rank] = 0
@@ -435,6 +445,18 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 except zmq.Again:       # no transfer manager connected to this rank's pipe
                     self._check_exit(rank)
                     self._finish(task_id, rank, self._failed.get(rank, "transfer manager not connected"))
+
+    def _send_to(self, rank, message) -> bool:
+        """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
+        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
+            push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
+            if push is None:
+                return False
+            try:
+                push.send_multipart(message, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
 
     def _finish(self, task_id, rank, error=None):
         if task_id is None:

@@ -30,13 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import psutil
-import zmq
 
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
 from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name
-from ..ipc.queue import task_endpoint
 from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
 from ..worker.reshard import ABORT, COMMIT, MOVE, PREPARE, write_json_segment
@@ -305,8 +303,8 @@ class ReshardPhase:
         new = plan.new_spec
         self._grow_lists(plan.new_tp)
         self.signals.resize(plan.new_tp)
-        while len(self._task_pushes) < plan.new_tp:
-            self._task_pushes.append(None)
+        with self._submit_lock:         # _spawn binds the new ranks' task sockets
+            self._task_pushes = self._task_pushes + [None] * (plan.new_tp - len(self._task_pushes))
         for r in plan.fresh:
             for name in ("cache_ready", "swap_space_ready", "worker_heartbeat", "transfer_heartbeat"):
                 getattr(self.signals, name)[r] = 0
@@ -314,12 +312,6 @@ class ReshardPhase:
             if self._swap_segments[r] is None:
                 self._swap_segments[r] = SharedSegment.create(swap_space_name(self.suffix, r), new.cpu_cache_bytes,
                                                               self.suffix)
-            if self._task_pushes[r] is None:
-                push = self._context.socket(zmq.PUSH)
-                for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.MAXMSGSIZE, 1 << 28)):
-                    push.setsockopt(option, value)
-                push.bind(task_endpoint(self.socket_dir, r))
-                self._task_pushes[r] = push
         cap = self.barrier.capacity
         self.barrier.set_active(self.barrier.active + [transfer_party(r) for r in plan.fresh]
                                 + [worker_party(cap, r) for r in plan.fresh])
@@ -362,12 +354,10 @@ class ReshardPhase:
         for r in ranks:
             if r in self._failed:
                 raise TransferError(f"reshard {role} failed: rank {r}: {self._failed[r]}")
-            try:
-                self._task_pushes[r].send_multipart(message, zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._send_to(r, message):
                 self._check_exit(r)
                 raise TransferError(f"reshard {role} failed: rank {r}: "
-                                    f"{self._failed.get(r, 'transfer manager not connected')}") from None
+                                    f"{self._failed.get(r, 'transfer manager not connected')}")
         with self._phase_cond:
             self._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in self._failed for r in ranks),
                                       max(0.0, deadline - time.monotonic()))
@@ -429,11 +419,7 @@ class ReshardPhase:
             self._attached[r] = self._registered[r] = False
             if proc is not None:
                 procs.append(proc)
-                if self._task_pushes[r] is not None:
-                    try:
-                        self._task_pushes[r].send_multipart(protocol.encode("stop"), zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
+                self._send_to(r, protocol.encode("stop"))
         end = time.monotonic() + 5
         for proc in procs:
             try:
@@ -444,9 +430,10 @@ class ReshardPhase:
         if stop_workers is not None:
             stop_workers(list(ranks))
         for r in ranks:
-            push, self._task_pushes[r] = self._task_pushes[r], None
-            if push is not None:
-                push.close(0)
+            with self._submit_lock:
+                push, self._task_pushes[r] = self._task_pushes[r], None
+                if push is not None:
+                    push.close(0)
             seg, self._swap_segments[r] = self._swap_segments[r], None
             if seg is not None:
                 seg.close()

@@ -3,8 +3,11 @@
 Tasks and phase commands go out on one PUSH socket per rank, bound by the engine and written by the
 submitting thread itself (no hand-off to another thread on the hot path); a PUSH->PULL pipe with one
 peer is reliable and ordered, and with no peer connected a non-blocking send fails instead of
-dropping. Replies come back on one ROUTER, read by the engine's I/O thread; each transfer manager's
-DEALER carries its rank as identity and registers before the first task.
+dropping. Each transfer-manager process gets a PUSH socket and endpoint of its own (its incarnation):
+zmq tears the pipe to a dead peer down asynchronously, so a socket kept across a restart would keep
+handing tasks to the dead process for as long as zmq's I/O thread is late. Replies come back on one
+ROUTER, read by the engine's I/O thread; each transfer manager's DEALER carries its rank and pid as
+identity and registers before the first task.
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ def remove_socket_dir(path: str):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def task_endpoint(socket_dir: str, rank: int) -> str:
-    return f"ipc://{os.path.join(socket_dir, f'tasks{rank}')}"
+def task_endpoint(socket_dir: str, rank: int, incarnation: int) -> str:
+    return f"ipc://{os.path.join(socket_dir, f'tasks{rank}.{incarnation}')}"
 
 
 def reply_endpoint(socket_dir: str) -> str:
@@ -60,25 +63,27 @@ def _configure(sock):
     sock.setsockopt(zmq.MAXMSGSIZE, 1 << 28)   # an oversized frame is refused by zmq itself
 
 
-def bind_engine(context: zmq.Context, socket_dir: str, tp_size: int):
-    """(per-rank task PUSH sockets, reply ROUTER) of the engine."""
-    pushes = []
-    for rank in range(tp_size):
-        push = context.socket(zmq.PUSH)
-        _configure(push)
-        push.bind(task_endpoint(socket_dir, rank))
-        pushes.append(push)
+def bind_tasks(context: zmq.Context, socket_dir: str, rank: int, incarnation: int):
+    """The task PUSH socket for one incarnation of rank's transfer manager."""
+    push = context.socket(zmq.PUSH)
+    _configure(push)
+    push.bind(task_endpoint(socket_dir, rank, incarnation))
+    return push
+
+
+def bind_replies(context: zmq.Context, socket_dir: str):
+    """The engine's reply ROUTER."""
     router = context.socket(zmq.ROUTER)
     _configure(router)
     router.bind(reply_endpoint(socket_dir))
-    return pushes, router
+    return router
 
 
-def connect_client(context: zmq.Context, socket_dir: str, rank: int):
+def connect_client(context: zmq.Context, socket_dir: str, rank: int, incarnation: int):
     """(task PULL, reply DEALER) of rank's transfer manager."""
     pull = context.socket(zmq.PULL)
     _configure(pull)
-    pull.connect(task_endpoint(socket_dir, rank))
+    pull.connect(task_endpoint(socket_dir, rank, incarnation))
     dealer = context.socket(zmq.DEALER)
     _configure(dealer)
     dealer.setsockopt(zmq.IDENTITY, rank_identity(rank))

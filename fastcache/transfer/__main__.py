@@ -29,6 +29,8 @@ def build_parser():
     p.add_argument("--device_id", type=int, default=0)
     p.add_argument("--ipc_suffix", required=True, help="the deployment's suffix (SwapBackend.suffix)")
     p.add_argument("--socket_dir", required=True, help="the deployment's task-queue directory")
+    p.add_argument("--incarnation", type=int, default=0,
+                   help="which process of this rank it is (0 first, one more per restart): names its task endpoint")
     p.add_argument("--engine_pid", type=int, required=True, help="exit when this process is gone")
     p.add_argument("--device", default="sim", choices=("sim", "cuda", "auto"))
     p.add_argument("--spec", help="CacheSpec as JSON (instead of the FastDeploy-style geometry below)")
@@ -68,8 +70,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"fastcache.transfer: {exc}", file=sys.stderr)
         return 2
-    manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.engine_pid,
-                              device=args.device, device_id=args.device_id, settings=settings, store=args.store)
+    manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.incarnation,
+                              args.engine_pid, device=args.device, device_id=args.device_id, settings=settings, store=args.store)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return manager.run()

@@ -44,7 +44,7 @@ def read_manifest(suffix: str, rank: int) -> list:
 
 
 class TransferManager:
-    def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str,
+    def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str, incarnation: int,
                  engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None,
                  store: str | None = None):
         self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
@@ -56,7 +56,7 @@ class TransferManager:
         self.barrier = phase_barrier(suffix, tp_size)
         self.barrier.register(transfer_party(rank))
         self.context = zmq.Context()
-        self.tasks, self.sock = connect_client(self.context, socket_dir, rank)
+        self.tasks, self.sock = connect_client(self.context, socket_dir, rank, incarnation)
         self.done_pull = self.context.socket(zmq.PULL)
         self.done_pull.bind(f"inproc://done{rank}")
         self.cache = self.swap = self.copier = None
