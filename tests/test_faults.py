@@ -470,3 +470,31 @@ def test_after_restart_rank_no_task_reaches_a_pipe_of_the_old_process():
         finally:
             stray.close(0)
             context.term()
+
+
+def test_a_task_failed_by_a_restart_before_it_was_sent_never_runs_on_the_new_process():
+    """A handle can be registered, then restart_rank fails it for the rank (its old process is gone), and only
+    then be sent. The new process must not get it: the handle is already done, its caller may reuse the
+    blocks, and a late copy would overwrite them."""
+    rng = np.random.default_rng(29)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        cpu = backend.allocate_cpu_blocks(4)
+        poison = rng.integers(0, 256, (4, backend.spec.cpu_block_bytes), dtype=np.uint8)
+        backend.cpu_tier(1)[cpu] = poison
+        send = backend._send_all
+
+        def restart_then_send(message, *args):
+            backend._send_all = send
+            backend.restart_rank(1)
+            backend.wait_ready(timeout=30)
+            return send(message, *args)
+
+        backend._send_all = restart_then_send
+        handle = backend.swap_out([3, 5, 7, 9], cpu)
+        with pytest.raises(TransferError, match="restarted"):
+            handle.result(timeout=10)
+        time.sleep(0.5)                 # a copy the new process was given would have landed by now
+        np.testing.assert_array_equal(backend.cpu_tier(1)[cpu], poison)
+        round_trip(backend, workers, rng)

@@ -216,7 +216,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         handle.add_done_callback(self.counters.record)
         with self._handles_lock:
             self._handles[handle.task_id] = handle
-        self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids), handle.task_id)
+        self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids), handle)
         return handle
 
     def _validate(self, kind, gpu_block_ids, cpu_block_ids):
@@ -431,20 +431,25 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 self._watch_ranks()
                 next_watch = time.monotonic() + 0.1
 
-    def _send_all(self, message, task_id=None):
-        """Deliver a task (or, without task_id, a command) to every rank, in submission order."""
+    def _send_all(self, message, handle=None):
+        """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
+        the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
+        handle may be done and its blocks reused, and a new process must not copy them late. (The check is
+        sound under the lock: restart_rank fails the old process's tasks before _spawn takes the lock.)"""
         with self._submit_lock:
             for rank, push in enumerate(self._task_pushes):
                 if push is None:        # a rank a reshard is adding or retiring
                     continue
+                if handle is not None and not handle.waits_for(rank):
+                    continue
                 if rank in self._failed:
-                    self._finish(task_id, rank, self._failed[rank])
+                    self._finish(handle, rank, self._failed[rank])
                     continue
                 try:
                     push.send_multipart(message, zmq.NOBLOCK)
                 except zmq.Again:       # no transfer manager connected to this rank's pipe
                     self._check_exit(rank)
-                    self._finish(task_id, rank, self._failed.get(rank, "transfer manager not connected"))
+                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"))
 
     def _send_to(self, rank, message) -> bool:
         """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
@@ -458,17 +463,18 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 return False
             return True
 
-    def _finish(self, task_id, rank, error=None):
-        if task_id is None:
-            return
-        with self._handles_lock:
-            handle = self._handles.get(task_id)
+    def _finish(self, handle, rank, error=None):
         if handle is None:
             return
         handle._rank_finished(rank, error)
         if handle.done():
             with self._handles_lock:
-                self._handles.pop(task_id, None)
+                self._handles.pop(handle.task_id, None)
+
+    def _reply_for(self, task_id, rank, error=None):
+        with self._handles_lock:
+            handle = self._handles.get(task_id)
+        self._finish(handle, rank, error)
 
     def _on_reply(self, frames):
         who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
@@ -486,9 +492,9 @@ class SwapBackend(StoreTasks, ReshardPhase):
         if kind == "register":
             self._registered[rank] = True
         elif kind == "done":
-            self._finish(header["task_id"], rank)
+            self._reply_for(header["task_id"], rank)
         elif kind == "failed":
-            self._finish(header["task_id"], rank, header["error"])
+            self._reply_for(header["task_id"], rank, header["error"])
         elif kind in ("phase_done", "phase_failed"):
             if header["phase"] == "attach":
                 if kind == "phase_failed":      # a device error: out of service until restart_rank

@@ -101,6 +101,10 @@ class TransferHandle(Completion):
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
         return f"task {self.task_id} ({self.kind}) failed on {detail}"
 
+    def waits_for(self, rank) -> bool:
+        """Is rank's report still outstanding? (A set lookup: safe without the lock under the GIL.)"""
+        return rank in self._pending
+
     def pending_ranks(self):
         with self._lock:
             return set(self._pending)

@@ -82,7 +82,7 @@ class StoreTasks:
         handle.add_done_callback(self.counters.record)       # fastcache.metrics: per direction
         with self._handles_lock:
             self._handles[handle.task_id] = handle
-        self._send_all(protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids), handle.task_id)
+        self._send_all(protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids), handle)
         return handle
 
     def _store_client(self):
