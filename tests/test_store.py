@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import deployment, small_spec, wait_for
-from fastcache import TransferError
+from fastcache import SwapBackend, TransferError
 from fastcache.ipc import protocol
 from fastcache.store import ObjectKeys, as_hashes, check_namespace, fingerprint, open_store, parse_store_url
 from fastcache.store.keys import HEADER, HEADER_BYTES
@@ -374,3 +374,15 @@ def kill_during_put(url):
 
 def test_transfer_manager_killed_during_a_put_leaves_no_visible_entry(tmp_path):
     kill_during_put(f"file://{tmp_path}/l3")
+
+
+def test_a_store_being_opened_by_one_backend_does_not_hold_up_another(tmp_path):
+    """Each backend opens its own client under its own lock: opening one can take seconds (a dead master)."""
+    a = SwapBackend(SPEC, device="sim", store=f"file://{tmp_path}/a")
+    b = SwapBackend(SPEC, device="sim", store=f"file://{tmp_path}/b")
+    answered = threading.Event()
+    with a._store_lock:                 # a's client is being opened
+        threading.Thread(target=lambda: answered.set() if not b.store_contains("m/0", [1, 2]).any() else None,
+                         daemon=True).start()
+        assert answered.wait(10), "backend b waited for backend a's store"
+    b._close_store()

@@ -32,7 +32,6 @@ from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..ops import resolve_device
 from ..ipc.leftovers import remove_dead
-from ..store import parse_store_url
 from ..metrics import SwapCounters
 from ..transfer import EXIT_REASONS
 from ..worker.cache_worker import close_local_workers
@@ -66,7 +65,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         if len(self.device_ids) != tp_size:
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
-        self.store_url = parse_store_url(store) if store is not None else None    # L3 (engine/l3.py)
+        self._init_store_tasks(store)              # L3 (engine/l3.py)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
         self._handles: dict[int, TransferHandle] = {}

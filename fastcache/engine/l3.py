@@ -13,15 +13,18 @@ import numpy as np
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
-from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store
+from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store, parse_store_url
 from .handle import TransferHandle
 
 
 class StoreTasks:
-    """Mixed into SwapBackend, whose __init__ sets store_url (a StoreURL or None)."""
+    """Mixed into SwapBackend, whose __init__ calls _init_store_tasks."""
     store_url: StoreURL | None = None
-    _store = None
-    _store_lock = threading.Lock()
+
+    def _init_store_tasks(self, store: str | None):
+        self.store_url = parse_store_url(store) if store is not None else None
+        self._store = None                      # the engine's own client, opened on first use
+        self._store_lock = threading.Lock()     # per backend: opening a store can take seconds (a dead master)
 
     def cpu_to_store(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
         """Put CPU block cpu_block_ids[i] of every rank into the store as the object of hashes[i]."""
