@@ -25,6 +25,12 @@ CPU_BLOCKS = 16             # a small CPU tier: loads and stores evict all the t
 PROMPT = 6                  # blocks per request; chained hashes from a small space share prefixes
 
 
+def random_prompt(rng):
+    """Chained hashes from a small space, so that prompts share prefixes."""
+    steps = [int(rng.integers(0, 12))] + [int(x) for x in rng.integers(0, 6, PROMPT - 1)]
+    return [sum(steps[:i + 1]) * 1000 + i for i in range(PROMPT)]
+
+
 def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
     data = Bytes(backend.spec, workers)
     counts, errors = collections.Counter(), []
@@ -35,8 +41,7 @@ def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
         rng = np.random.default_rng(t)
         mine = list(range(t * OWN, t * OWN + PROMPT))
         while not stop.is_set():
-            steps = [int(rng.integers(0, 12))] + [int(x) for x in rng.integers(0, 6, PROMPT - 1)]
-            prompt = [sum(steps[:i + 1]) * 1000 + i for i in range(PROMPT)]
+            prompt = random_prompt(rng)
             try:
                 n = cache.lookup(prompt)
                 if n:
@@ -101,6 +106,92 @@ def test_engine_threads_over_a_small_cpu_tier_and_the_store_never_load_wrong_byt
         blocks = [e[BLOCK] for e in cache._index.values()]
         assert sorted(blocks + cache._free) == list(range(CPU_BLOCKS))
         assert all(e[STATE] == READY and not e[PINS] for e in cache._index.values())
+        cache.close()
+
+
+def test_engine_threads_across_clears_restores_and_restarts_never_load_bytes_of_old_weights(tmp_path):
+    """A controller clears and restores the cache around a weight update (every hash's bytes change),
+    restarts a rank while the cache is cleared and another while it serves, and sets a new namespace;
+    engine threads store and load through a store meanwhile. Every load that no clear overlapped is
+    checked on every rank against the bytes of the current weights."""
+    spec = small_spec(num_gpu_blocks=THREADS * OWN, num_cpu_blocks=CPU_BLOCKS)
+    with deployment(spec, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "weights/0")
+        weights = {"epoch": 0, "bytes": Bytes(spec, workers, seed=0)}
+        lock = threading.Lock()         # the weights' epoch and bytes
+        counts, errors = collections.Counter(), []
+        stop = threading.Event()
+
+        def engine(t):
+            rng = np.random.default_rng(t)
+            mine = list(range(t * OWN, t * OWN + PROMPT))
+            while not stop.is_set():
+                prompt = random_prompt(rng)
+                try:
+                    with lock:
+                        epoch = weights["epoch"]
+                    n = cache.lookup(prompt)
+                    if n:
+                        try:
+                            cache.load(prompt[:n], mine[:n]).result(30)
+                        except (ValueError, TransferError):
+                            n = 0
+                        else:
+                            with lock:
+                                if weights["epoch"] != epoch:   # a clear overlapped: the check proves nothing
+                                    continue
+                                bad = weights["bytes"].bad(prompt[:n], mine[:n])
+                            if any(bad):
+                                errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
+                            counts["loaded"] += n
+                    with lock:
+                        if weights["epoch"] != epoch:
+                            continue
+                        weights["bytes"].write(prompt[n:], mine[n:])
+                        handle = cache.store(prompt, mine)
+                    handle.result(30)
+                except TransferError:       # cleared, or a restart, or the namespace not yet set
+                    counts["refused"] += 1
+                    time.sleep(0.005)
+                except Exception as exc:
+                    errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
+                    return
+
+        def controller():
+            for k in range(1, 10**6):
+                if stop.wait(0.6):
+                    return
+                try:
+                    with lock:
+                        backend.clear_caches(timeout=30)
+                        weights["epoch"] += 1       # loads begun before the clear are not checked
+                        if k % 2:
+                            backend.restart_rank(k % backend.tp_size)      # in CLEARED
+                            counts["restarts"] += 1
+                        backend.restore_caches(timeout=30)
+                        weights["bytes"] = Bytes(spec, workers, seed=k)    # new weights, new tensors
+                    cache.namespace = f"weights/{k}"
+                    counts["clears"] += 1
+                    if k % 3 == 0:
+                        backend.restart_rank((k + 1) % backend.tp_size)    # while serving
+                        backend.wait_ready(timeout=30)
+                        counts["restarts"] += 1
+                except Exception as exc:
+                    errors.append(f"controller: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=controller)]
+        for thread in threads:
+            thread.start()
+        time.sleep(6.0)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+            assert not thread.is_alive(), "a thread hung"
+        assert errors == []
+        assert counts["loaded"] > 100 and counts["clears"] >= 4 and counts["restarts"] >= 3, counts
+        time.sleep(0.5)
+        blocks = [e[BLOCK] for e in cache._index.values()]
+        assert sorted(blocks + cache._free) == list(range(CPU_BLOCKS))
         cache.close()
 
 

@@ -37,8 +37,8 @@ class WorkerRows:
 class Bytes:
     """Hash-derived bytes written into and checked in every rank's GPU blocks."""
 
-    def __init__(self, spec, workers):
-        self.data = HashBytes(spec, seed=7)
+    def __init__(self, spec, workers, seed=7):
+        self.data = HashBytes(spec, seed=seed)          # another seed: other weights, other bytes per hash
         self.ranks = [WorkerRows(w) for w in workers]
 
     def write(self, hashes, gpu_ids):
