@@ -43,6 +43,7 @@ from .reshard_phase import ReshardPhase
 log = logging.getLogger("fastcache.engine")
 
 MEMORY_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
+REAP_TIMEOUT = 5.0        # seconds supervision waits for a killed transfer manager to exit
 
 
 class SwapBackend(StoreTasks, ReshardPhase):
@@ -393,9 +394,16 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 continue
             beat = float(self.signals.transfer_heartbeat[rank])
             if beat and now - beat > self.settings.transfer_timeout:
-                proc.kill()         # a silent process must not wake up later and write into the cache
+                # a silent process must not wake up later and write into the cache, and its tasks fail only
+                # once it is gone: until its exit has torn its CUDA context down, a copy it queued may land
+                proc.kill()
+                try:
+                    proc.wait(REAP_TIMEOUT)
+                    gone = "killed it"
+                except subprocess.TimeoutExpired:
+                    gone = f"killed it, but it had not exited {REAP_TIMEOUT:.0f} s later"
                 self._mark_failed(rank, f"transfer manager (pid {proc.pid}) stopped answering "
-                                        f"(no heartbeat for {now - beat:.1f} s); killed it", proc=proc)
+                                        f"(no heartbeat for {now - beat:.1f} s); {gone}", proc=proc)
 
     def _check_exit(self, rank) -> bool:
         """If rank's transfer manager has exited, take the rank out of service naming its exit status."""
