@@ -499,3 +499,34 @@ def test_a_task_failed_by_a_restart_before_it_was_sent_never_runs_on_the_new_pro
         time.sleep(0.5)                 # a copy the new process was given would have landed by now
         np.testing.assert_array_equal(backend.cpu_tier(1)[cpu], poison)
         round_trip(backend, workers, rng)
+
+
+def test_a_phase_command_waits_for_a_registered_process_whose_task_pipe_is_not_up_yet():
+    """restart_rank in CLEARED returns once the new process has registered through the reply socket; its
+    task pipe may come up a moment later. The restore sent then must reach it, not wait out the barrier."""
+    import zmq
+
+    class NotUpYet:         # the rank's task socket, with no pipe for its first sends
+        def __init__(self, push, refusals):
+            self.push, self.refusals = push, refusals
+
+        def send_multipart(self, message, flags=0):
+            if self.refusals:
+                self.refusals -= 1
+                raise zmq.Again()
+            return self.push.send_multipart(message, flags)
+
+        def close(self, linger=None):
+            self.push.close(linger)
+
+    rng = np.random.default_rng(31)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        backend.clear_caches(timeout=30)
+        backend.restart_rank(1)
+        backend._task_pushes[1] = NotUpYet(backend._task_pushes[1], refusals=20)
+        started = time.monotonic()
+        backend.restore_caches(timeout=10)
+        assert time.monotonic() - started < 5
+        for w in workers:
+            randomize(w, rng)
+        round_trip(backend, workers, rng)

@@ -44,6 +44,7 @@ log = logging.getLogger("fastcache.engine")
 
 MEMORY_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
 REAP_TIMEOUT = 5.0        # seconds supervision waits for a killed transfer manager to exit
+PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
 
 
 class SwapBackend(StoreTasks, ReshardPhase):
@@ -455,8 +456,25 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 try:
                     push.send_multipart(message, zmq.NOBLOCK)
                 except zmq.Again:       # no transfer manager connected to this rank's pipe
+                    if handle is None and self._send_when_connected(rank, push, message):
+                        continue
                     self._check_exit(rank)
                     self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"))
+
+    def _send_when_connected(self, rank, push, message) -> bool:
+        """A command for a process that has registered (through the reply socket) but whose task pipe zmq
+        has not set up yet, as right after restart_rank in CLEARED: delivered once the pipe is up, instead
+        of lost (its phase would wait for the barrier's timeout). False if it does not come up."""
+        proc = self._procs[rank] if rank < len(self._procs) else None
+        deadline = time.monotonic() + PIPE_TIMEOUT
+        while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+            try:
+                push.send_multipart(message, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+        return False
 
     def _send_to(self, rank, message) -> bool:
         """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
