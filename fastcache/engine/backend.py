@@ -453,19 +453,27 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 if rank in self._failed:
                     self._finish(handle, rank, self._failed[rank])
                     continue
-                try:
-                    push.send_multipart(message, zmq.NOBLOCK)
-                except zmq.Again:       # no transfer manager connected to this rank's pipe
-                    if handle is None and self._send_when_connected(rank, push, message):
-                        continue
+                if not self._deliver(rank, push, message, command=handle is None):
                     self._check_exit(rank)
                     self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"))
 
-    def _send_when_connected(self, rank, push, message) -> bool:
-        """A command for a process that has registered (through the reply socket) but whose task pipe zmq
-        has not set up yet, as right after restart_rank in CLEARED: delivered once the pipe is up, instead
-        of lost (its phase would wait for the barrier's timeout). False if it does not come up."""
-        proc = self._procs[rank] if rank < len(self._procs) else None
+    def _send_to(self, rank, message) -> bool:
+        """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
+        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
+            push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
+            return push is not None and self._deliver(rank, push, message, command=True)
+
+    def _deliver(self, rank, push, message, command: bool) -> bool:
+        """Send on rank's task pipe (under _submit_lock); False if no transfer manager is connected to it.
+        A command for a process that has registered (through the reply socket) but whose pipe zmq has not
+        set up yet, as right after restart_rank in CLEARED, waits for the pipe instead of being lost (its
+        phase would wait out the barrier's timeout). A task never waits: it fails at once instead."""
+        try:
+            push.send_multipart(message, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            pass
+        proc = self._procs[rank] if command and rank < len(self._procs) else None
         deadline = time.monotonic() + PIPE_TIMEOUT
         while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -475,18 +483,6 @@ class SwapBackend(StoreTasks, ReshardPhase):
             except zmq.Again:
                 pass
         return False
-
-    def _send_to(self, rank, message) -> bool:
-        """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
-        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
-            push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
-            if push is None:
-                return False
-            try:
-                push.send_multipart(message, zmq.NOBLOCK)
-            except zmq.Again:
-                return False
-            return True
 
     def _finish(self, handle, rank, error=None):
         if handle is None:
