@@ -31,6 +31,38 @@ def random_prompt(rng):
     return [sum(steps[:i + 1]) * 1000 + i for i in range(PROMPT)]
 
 
+def load_held(cache, prompt, gpu) -> int:
+    """Look the prompt up and load its held blocks into gpu; how many were loaded (0: refused meanwhile)."""
+    n = cache.lookup(prompt)
+    if n:
+        try:
+            cache.load(prompt[:n], gpu[:n]).result(30)
+        except (ValueError, TransferError):     # evicted since the lookup, no block, a restart
+            return 0
+    return n
+
+
+def run_threads(engine, controller, period, seconds, stop, errors):
+    """THREADS engine(t) threads, and controller(k) every `period` seconds, for `seconds`; none may hang."""
+    def control():
+        for k in range(1, 10**6):
+            if stop.wait(period):
+                return
+            try:
+                controller(k)
+            except Exception as exc:
+                errors.append(f"controller: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=control)]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+        assert not thread.is_alive(), "a thread hung"
+
+
 def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
     data = Bytes(backend.spec, workers)
     counts, errors = collections.Counter(), []
@@ -43,17 +75,12 @@ def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
         while not stop.is_set():
             prompt = random_prompt(rng)
             try:
-                n = cache.lookup(prompt)
+                n = load_held(cache, prompt, mine)
                 if n:
-                    try:
-                        cache.load(prompt[:n], mine[:n]).result(30)
-                    except (ValueError, TransferError):     # evicted since the lookup, no block, a restart
-                        n = 0
-                    else:
-                        bad = data.bad(prompt[:n], mine[:n])
-                        if any(bad):
-                            errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
-                        counts["loaded"] += n
+                    bad = data.bad(prompt[:n], mine[:n])
+                    if any(bad):
+                        errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
+                    counts["loaded"] += n
                 with write_lock:
                     data.write(prompt[n:], mine[n:])
                 cache.store(prompt, mine).result(30)
@@ -65,30 +92,18 @@ def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
                 errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
                 return
 
-    def chaos():
-        rng = np.random.default_rng(99)
-        for k in range(1, 10**6):
-            if stop.wait(0.8):
-                return
-            try:
-                if change_namespace and k % 3 == 0:
-                    cache.namespace = f"stress/{k}"
-                    counts["namespaces"] += 1
-                elif restart_ranks:
-                    backend.restart_rank(int(rng.integers(0, backend.tp_size)))
-                    backend.wait_ready(timeout=30)
-                    counts["restarts"] += 1
-            except Exception as exc:
-                errors.append(f"chaos: {type(exc).__name__}: {exc}")
+    rng = np.random.default_rng(99)
 
-    threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=chaos)]
-    for thread in threads:
-        thread.start()
-    time.sleep(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(60)
-        assert not thread.is_alive(), "a thread hung"
+    def chaos(k):
+        if change_namespace and k % 3 == 0:
+            cache.namespace = f"stress/{k}"
+            counts["namespaces"] += 1
+        elif restart_ranks:
+            backend.restart_rank(int(rng.integers(0, backend.tp_size)))
+            backend.wait_ready(timeout=30)
+            counts["restarts"] += 1
+
+    run_threads(engine, chaos, 0.8, seconds, stop, errors)
     return counts, errors
 
 
@@ -130,20 +145,15 @@ def test_engine_threads_across_clears_restores_and_restarts_never_load_bytes_of_
                 try:
                     with lock:
                         epoch = weights["epoch"]
-                    n = cache.lookup(prompt)
+                    n = load_held(cache, prompt, mine)
                     if n:
-                        try:
-                            cache.load(prompt[:n], mine[:n]).result(30)
-                        except (ValueError, TransferError):
-                            n = 0
-                        else:
-                            with lock:
-                                if weights["epoch"] != epoch:   # a clear overlapped: the check proves nothing
-                                    continue
-                                bad = weights["bytes"].bad(prompt[:n], mine[:n])
-                            if any(bad):
-                                errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
-                            counts["loaded"] += n
+                        with lock:
+                            if weights["epoch"] != epoch:   # a clear overlapped: the check proves nothing
+                                continue
+                            bad = weights["bytes"].bad(prompt[:n], mine[:n])
+                        if any(bad):
+                            errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
+                        counts["loaded"] += n
                     with lock:
                         if weights["epoch"] != epoch:
                             continue
@@ -157,36 +167,23 @@ def test_engine_threads_across_clears_restores_and_restarts_never_load_bytes_of_
                     errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
                     return
 
-        def controller():
-            for k in range(1, 10**6):
-                if stop.wait(0.6):
-                    return
-                try:
-                    with lock:
-                        backend.clear_caches(timeout=30)
-                        weights["epoch"] += 1       # loads begun before the clear are not checked
-                        if k % 2:
-                            backend.restart_rank(k % backend.tp_size)      # in CLEARED
-                            counts["restarts"] += 1
-                        backend.restore_caches(timeout=30)
-                        weights["bytes"] = Bytes(spec, workers, seed=k)    # new weights, new tensors
-                    cache.namespace = f"weights/{k}"
-                    counts["clears"] += 1
-                    if k % 3 == 0:
-                        backend.restart_rank((k + 1) % backend.tp_size)    # while serving
-                        backend.wait_ready(timeout=30)
-                        counts["restarts"] += 1
-                except Exception as exc:
-                    errors.append(f"controller: {type(exc).__name__}: {exc}")
+        def update_weights(k):
+            with lock:
+                backend.clear_caches(timeout=30)
+                weights["epoch"] += 1       # loads begun before the clear are not checked
+                if k % 2:
+                    backend.restart_rank(k % backend.tp_size)      # in CLEARED
+                    counts["restarts"] += 1
+                backend.restore_caches(timeout=30)
+                weights["bytes"] = Bytes(spec, workers, seed=k)    # new weights, new tensors
+            cache.namespace = f"weights/{k}"
+            counts["clears"] += 1
+            if k % 3 == 0:
+                backend.restart_rank((k + 1) % backend.tp_size)    # while serving
+                backend.wait_ready(timeout=30)
+                counts["restarts"] += 1
 
-        threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=controller)]
-        for thread in threads:
-            thread.start()
-        time.sleep(6.0)
-        stop.set()
-        for thread in threads:
-            thread.join(60)
-            assert not thread.is_alive(), "a thread hung"
+        run_threads(engine, update_weights, 0.6, 6.0, stop, errors)
         assert errors == []
         assert counts["loaded"] > 100 and counts["clears"] >= 4 and counts["restarts"] >= 3, counts
         time.sleep(0.5)
@@ -230,19 +227,12 @@ def test_engine_threads_swapping_while_ranks_restart_never_read_back_wrong_bytes
                     errors.append(f"thread {t}: swapped blocks came back different")
                 counts["rounds"] += 1
 
-        def restarts():
-            rng = np.random.default_rng(5)
-            while not stop.wait(0.7):
-                backend.restart_rank(int(rng.integers(0, backend.tp_size)))
-                backend.wait_ready(timeout=30)
-                counts["restarts"] += 1
+        rng = np.random.default_rng(5)
 
-        threads = [threading.Thread(target=engine, args=(t,)) for t in range(THREADS)] + [threading.Thread(target=restarts)]
-        for thread in threads:
-            thread.start()
-        time.sleep(5.0)
-        stop.set()
-        for thread in threads:
-            thread.join(60)
-            assert not thread.is_alive(), "a thread hung"
+        def restart(_):
+            backend.restart_rank(int(rng.integers(0, backend.tp_size)))
+            backend.wait_ready(timeout=30)
+            counts["restarts"] += 1
+
+        run_threads(engine, restart, 0.7, 5.0, stop, errors)
         assert errors == [] and counts["rounds"] > 100 and counts["restarts"] >= 2, counts
