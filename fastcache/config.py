@@ -14,6 +14,10 @@ import numpy as np
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
 CACHE_DTYPES = ("bfloat16", "float16", "uint8", "block_wise_fp8")
 SCALE_DTYPES = ("float32", "bfloat16", "float16")
+# Bytes after each CPU block per KV head: scratch room where an L3 task lays the object header beside the
+# block's bytes, so that header and block move as one buffer. Per head, so that a rank's CPU tier holds the
+# same bytes per head-block at any tp (resharding rewrites it in place).
+CPU_SLOT_BYTES_PER_HEAD = 64
 
 
 @dataclass(frozen=True)
@@ -111,12 +115,22 @@ class CacheSpec:
         return sum(t.block_bytes for t in self.tensors())
 
     @property
+    def cpu_slot_bytes(self) -> int:
+        """Scratch bytes after each CPU block (room for an L3 object header; a swap may overwrite them)."""
+        return CPU_SLOT_BYTES_PER_HEAD * self.num_kv_heads
+
+    @property
+    def cpu_block_stride(self) -> int:
+        """Distance between CPU blocks in the tier: the block's bytes, then its slot."""
+        return self.cpu_block_bytes + self.cpu_slot_bytes
+
+    @property
     def gpu_cache_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
     @property
     def cpu_cache_bytes(self) -> int:
-        return self.num_cpu_blocks * self.cpu_block_bytes
+        return self.num_cpu_blocks * self.cpu_block_stride
 
     @functools.cached_property
     def _row_bytes(self):

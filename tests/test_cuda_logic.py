@@ -189,7 +189,7 @@ def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layo
             # a small task: no upload of the ids, one copy per run of consecutive CPU ids (whole blocks)
             runs = 1 + np.count_nonzero(np.diff(cpu_ids) != 1)
             assert len(fake_cuda.copies) == runs
-            assert sum(fake_cuda.copies) == len(cpu_ids) * spec.cpu_block_bytes
+            assert sum(fake_cuda.copies) == len(cpu_ids) * spec.cpu_block_stride  # whole blocks with their slots
 
         dst = rng.choice(40, len(cpu_ids), replace=False)
         before = [rows.copy() for rows in gpu]
@@ -262,14 +262,14 @@ def test_dma_runs_merge_consecutive_blocks_and_stop_at_partial_ones_and_chunk_ed
 def test_no_copy_spans_two_pinned_chunks(fake_cuda, monkeypatch, method):
     """The tier starts on a page and is registered in chunks of whole pages and whole CPU blocks; a run of
     consecutive CPU blocks across a chunk edge becomes two copies (one copy, one registration)."""
-    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=40)          # 768-byte CPU blocks
+    spec = small_spec(num_gpu_blocks=80, num_cpu_blocks=80)          # 768-byte CPU blocks, 128-byte slots
     with fake_copier(spec, method, seed=5, chunk_bytes=8192) as (gpu, swap, copier):
         assert swap.host_ptr % mmap.PAGESIZE == 0
         sizes = [n for _, n in fake_cuda.registered]
-        assert all(n % spec.cpu_block_bytes == 0 and n % mmap.PAGESIZE == 0 for n in sizes[:-1]), sizes
-        assert swap.chunk_blocks == 16 and len(sizes) == 3     # lcm(4096, 768) = 12288 bytes = 16 blocks
-        cpu_ids = np.arange(12, 36)                            # crosses the edges at blocks 16 and 32
-        gpu_ids = np.arange(0, 24)
+        assert all(n % spec.cpu_block_stride == 0 and n % mmap.PAGESIZE == 0 for n in sizes[:-1]), sizes
+        assert swap.chunk_blocks == 32 and len(sizes) == 3     # lcm(4096, 896) = 28672 bytes = 32 blocks
+        cpu_ids = np.arange(20, 70)                            # crosses the edges at blocks 32 and 64
+        gpu_ids = np.arange(0, 50)
         copier.swap_out(gpu_ids, cpu_ids)                      # check_pinned asserts on every copy
         want = np.concatenate([rows[gpu_ids] for rows in gpu], axis=1)
         assert np.array_equal(swap.rows[cpu_ids], want)

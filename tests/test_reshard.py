@@ -101,6 +101,8 @@ def test_every_head_slice_lands_in_place_for_every_tp_change(heads, dtype, draft
                              num_kv_heads=heads // m, head_dim=3, cache_dtype=dtype, num_extra_layers=draft,
                              num_extra_gpu_blocks=max(1, blocks - 3) if draft else None)
             new = resharded_spec(spec, m, n, Capacity.of(spec))
+            # in place: the CPU tier's blocks and their slots (per head) fit the memory the rank has
+            assert new.cpu_cache_bytes <= spec.cpu_cache_bytes
             live = np.sort(rng.choice(blocks, int(rng.integers(0, min(new.num_gpu_blocks, blocks) + 1)), replace=False))
             if draft:       # blocks with draft rows must fit below the new draft count
                 with_draft = live[live < spec.num_extra_gpu_blocks]
@@ -108,7 +110,7 @@ def test_every_head_slice_lands_in_place_for_every_tp_change(heads, dtype, draft
             cpu = np.sort(rng.choice(spec.num_cpu_blocks, int(rng.integers(0, min(new.num_cpu_blocks,
                                                                                  spec.num_cpu_blocks) + 1)),
                                      replace=False))
-            staging = int(rng.integers(1, 4)) * max(new.cpu_block_bytes, spec.cpu_block_bytes)
+            staging = int(rng.integers(1, 4)) * max(new.cpu_block_stride, spec.cpu_block_stride)
             simulate(spec, m, n, live, cpu, staging, rng, crash=True)
 
 

@@ -26,15 +26,21 @@ SPEC = small_spec(num_cpu_blocks=32)
 
 
 @pytest.fixture
-def tier():
+def blocks():
+    """A CPU tier as a transfer manager hands it to its store: each block followed by its slot."""
     rng = np.random.default_rng(7)
-    return rng.integers(1, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_bytes), dtype=np.uint8)
+    return rng.integers(1, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_stride), dtype=np.uint8)
 
 
 @pytest.fixture
-def store(tmp_path, tier):
+def tier(blocks):
+    return blocks[:, :SPEC.cpu_block_bytes]
+
+
+@pytest.fixture
+def store(tmp_path, blocks):
     s = open_store(f"file://{tmp_path}/l3")
-    s.attach(tier)
+    s.attach(blocks, SPEC.cpu_block_bytes)
     yield s
     s.close()
 
@@ -176,9 +182,9 @@ def test_corrupt_or_foreign_object_is_a_miss_never_wrong_bytes(store, tier, tmp_
     path = _object_path(tmp_path, k, 5)
     data = bytearray(open(path, "rb").read())
     if damage == "flip_payload":
-        data[HEADER_BYTES + 17] ^= 0x40
+        data[17] ^= 0x40
     elif damage == "flip_header":
-        data[20] ^= 1                              # inside the hash field
+        data[-HEADER_BYTES + 20] ^= 1              # inside the header's hash field
     elif damage == "truncate":
         data = data[:-1]
     elif damage == "extend":
@@ -206,7 +212,7 @@ def test_a_writer_killed_during_a_put_leaves_no_object(tmp_path):
         from fastcache.store import ObjectKeys, fingerprint, open_store, as_hashes
         spec = small_spec(num_cpu_blocks=32)
         s = open_store("file://{root}")
-        s.attach(np.full((32, spec.cpu_block_bytes), 7, np.uint8))
+        s.attach(np.full((32, spec.cpu_block_stride), 7, np.uint8), spec.cpu_block_bytes)
         def stall(src, dst):
             print("writing", flush=True)
             time.sleep(60)
@@ -359,12 +365,12 @@ def kill_during_put(url):
         # every visible object is whole: fetched by a client of our own into a scratch tier, and checked
         store = open_store(url)
         try:
-            scratch = np.zeros_like(tier)
-            store.attach(scratch)
+            scratch = np.zeros((n, BIG.cpu_block_stride), np.uint8)
+            store.attach(scratch, BIG.cpu_block_bytes)
             k = ObjectKeys("kill", fingerprint(BIG, 1), 0)
             idx = np.flatnonzero(present)
             assert store.get(k, as_hashes(hashes[idx]), idx).all()
-            np.testing.assert_array_equal(scratch[idx], want[idx])
+            np.testing.assert_array_equal(scratch[idx, :BIG.cpu_block_bytes], want[idx])
             missing = np.flatnonzero(~present)
             assert not store.get(k, as_hashes(hashes[missing]), missing).any()
         finally:

@@ -18,7 +18,6 @@ else:
 from conftest import deployment, round_trip, small_spec
 from fastcache import TransferError
 from fastcache.store import ObjectKeys, StoreError, as_hashes, fingerprint, open_store
-from fastcache.store.keys import HEADER_BYTES
 from fastcache.store.service import MooncakeService, free_port
 from store_peer import run_peer
 from test_store import kill_during_put
@@ -34,9 +33,9 @@ def service():
 
 @pytest.fixture
 def store(service):
-    tier = np.random.default_rng(3).integers(1, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_bytes), dtype=np.uint8)
+    blocks = np.random.default_rng(3).integers(1, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_stride), dtype=np.uint8)
     s = open_store(service.url)
-    s.attach(tier)
+    s.attach(blocks, SPEC.cpu_block_bytes)
     yield s
     s.close()
 
@@ -77,15 +76,30 @@ def raw(service):
     client.close()
 
 
+def test_an_object_is_one_buffer_of_the_tier_the_block_then_its_header(store, raw):
+    """Put from and fetched into [CPU block, the slot after it]: Mooncake holds exactly the block's bytes and
+    its header, and nothing but the named blocks and their slots changes."""
+    tier, k = store.tier, keys(unique("one"))
+    hashes = as_hashes([7, 8])
+    before = store.blocks.copy()
+    store.put(k, hashes, np.array([2, 3]))
+    assert raw.get(k.name(7)) == k.object(7, tier[2]) and raw.get(k.name(8)) == k.object(8, tier[3])
+    assert store.get(k, hashes, np.array([5, 4])).all()
+    np.testing.assert_array_equal(tier[[5, 4]], before[[2, 3], :SPEC.cpu_block_bytes])
+    changed = np.flatnonzero((store.blocks != before).any(axis=1))
+    assert set(changed.tolist()) <= {2, 3, 4, 5}
+    np.testing.assert_array_equal(tier[:6], np.concatenate([before[:4], before[[3, 2]]])[:, :SPEC.cpu_block_bytes])
+
+
 @pytest.mark.parametrize("damage", ["flip_payload", "foreign", "short", "long", "garbage"])
 def test_corrupt_or_foreign_object_is_a_miss_and_is_replaced(store, raw, damage):
     tier, k = store.tier, keys(unique("bad"))
-    good = np.frombuffer(k.header(5, tier[0]), np.uint8).tobytes() + tier[0].tobytes()
+    good = k.object(5, tier[0])
     if damage == "flip_payload":
         obj = bytearray(good)
-        obj[HEADER_BYTES + 3] ^= 0x10
+        obj[3] ^= 0x10
     elif damage == "foreign":                                  # hash 6's object under hash 5's key
-        obj = k.header(6, tier[0]) + tier[0].tobytes()
+        obj = k.object(6, tier[0])
     elif damage == "short":
         obj = good[:-100]
     elif damage == "long":

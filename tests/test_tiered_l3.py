@@ -13,7 +13,7 @@ from conftest import all_tensors, cpu_image, deployment, round_trip, small_spec,
 from fastcache import TieredCache, TransferError
 from fastcache.engine.combined import CombinedHandle
 from fastcache.store import fingerprint
-from fastcache.store.keys import HEADER_BYTES, ObjectKeys
+from fastcache.store.keys import ObjectKeys
 from test_store import _object_path
 
 SPEC = small_spec(num_gpu_blocks=24, num_cpu_blocks=16)
@@ -119,7 +119,7 @@ def test_a_corrupt_object_fails_the_load_closed_and_becomes_a_miss(tmp_path):
         assert cache.lookup_tiers([1, 2]) == (2, 2)
         path = _object_path(tmp_path, ObjectKeys("m", fingerprint(SPEC, 2), 1), 2)
         data = bytearray(open(path, "rb").read())
-        data[HEADER_BYTES + 5] ^= 1
+        data[5] ^= 1                            # a payload byte
         open(path, "wb").write(data)
         with pytest.raises(TransferError, match="rank 1: StoreError: L3 miss: .*1 of 2 objects"):
             cache.load([1, 2], [5, 6]).result(timeout=30)

@@ -232,11 +232,13 @@ class SwapBackend(StoreTasks, ReshardPhase):
         return gpu_ids.astype(wire), cpu_ids.astype(wire)
 
     def cpu_tier(self, rank: int) -> np.ndarray:
-        """Rank's CPU tier as uint8 [num_cpu_blocks, cpu_block_bytes] (block-major; for checks and tools)."""
+        """Rank's CPU tier as uint8 [num_cpu_blocks, cpu_block_bytes], a view of its blocks without their slots
+        (block-major; for checks and tools)."""
         seg = self._swap_segments[rank]
         if seg is None:
             raise TransferError(f"rank {rank} has no CPU tier (released by clear_caches)")
-        return seg.array(np.uint8, (self.spec.num_cpu_blocks, self.spec.cpu_block_bytes))
+        spec = self.spec
+        return seg.array(np.uint8, (spec.num_cpu_blocks, spec.cpu_block_stride))[:, :spec.cpu_block_bytes]
 
     def allocate_cpu_blocks(self, n: int) -> list[int]:
         return self.allocator.allocate(n)

@@ -295,7 +295,7 @@ class Plan:
         biggest = max(s.new_row for s in self.spaces)
         if staging_bytes < biggest:
             raise ValueError(f"staging_bytes ({staging_bytes}) is smaller than one row ({biggest} bytes: a CPU block "
-                             f"of every tensor)")
+                             f"of every tensor, with its slot)")
         self.staging_bytes = int(staging_bytes)
         self.kept = list(range(min(old_tp, new_tp)))
         self.fresh = list(range(old_tp, new_tp))
@@ -327,7 +327,8 @@ class Plan:
             for r, mine in enumerate(pieces):
                 cpu[r] += [Piece(p.src_rank, ti.cpu_offset + p.src_off, tn.cpu_offset + p.dst_off, p.length)
                            for p in mine]
-        out.append(Space(("cpu",), old.cpu_block_bytes, new.cpu_block_bytes, old.num_cpu_blocks, new.num_cpu_blocks,
+        # CPU rows are whole blocks with their slots (scratch: rewritten with whatever staging held)
+        out.append(Space(("cpu",), old.cpu_block_stride, new.cpu_block_stride, old.num_cpu_blocks, new.num_cpu_blocks,
                          tuple(_merge(sorted(mine, key=lambda p: p.dst_off)) for mine in cpu)))
         return out
 

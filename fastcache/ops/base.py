@@ -5,8 +5,11 @@ another process (transfer-manager side), pins the engine-owned CPU tier, and mov
 one task over every tensor in one call. `sim` and `cuda` implement it; callers never branch on which.
 
 The CPU tier of a rank is block-major: CPU block c holds the row of every tensor at
-`c * cpu_block_bytes + tensor.cpu_offset`, so one block of all layers is one contiguous chunk and a
-swap of n blocks moves n large chunks instead of n * tensors small rows.
+`c * cpu_block_stride + tensor.cpu_offset`, so one block of all layers is one contiguous chunk and a
+swap of n blocks moves n large chunks instead of n * tensors small rows. Each block is followed by a
+small scratch slot (`cpu_slot_bytes`), where L3 tasks put an object's header beside the block's bytes;
+copiers may overwrite slots, so only a task that owns the block (the scheduler orders tasks sharing it)
+may use its slot.
 """
 from __future__ import annotations
 
@@ -51,10 +54,11 @@ class SwapSpace:
 
     def __init__(self, segment: SharedSegment, spec: CacheSpec):
         self.segment = segment
-        self.rows = segment.array(np.uint8, (spec.num_cpu_blocks, spec.cpu_block_bytes))
+        self.blocks = segment.array(np.uint8, (spec.num_cpu_blocks, spec.cpu_block_stride))  # block, then slot
+        self.rows = self.blocks[:, :spec.cpu_block_bytes]       # the blocks' bytes (a strided view)
 
     def close(self):
-        self.rows = None
+        self.rows = self.blocks = None
         self.segment.close()
 
 

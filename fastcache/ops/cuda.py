@@ -216,8 +216,8 @@ class CudaSwapSpace(SwapSpace):
     def __init__(self, segment: SharedSegment, spec: CacheSpec, device_id: int, chunk_bytes: int = PIN_CHUNK_BYTES):
         super().__init__(segment, spec)
         self.device_id = device_id
-        self.block_bytes, self.num_blocks = spec.cpu_block_bytes, spec.num_cpu_blocks
-        self.host_ptr = self.rows.ctypes.data
+        self.stride, self.num_blocks = spec.cpu_block_stride, spec.num_cpu_blocks   # a block and its slot
+        self.host_ptr = self.blocks.ctypes.data
         self.pin_seconds = None                  # wall time to pin the whole tier, once done
         # Chunks hold whole pages (two registrations never share one) and whole CPU blocks (a row never
         # straddles two); DMA runs are split at chunk edges (dma_runs), since one cudaMemcpy must lie in
@@ -225,10 +225,10 @@ class CudaSwapSpace(SwapSpace):
         page = mmap.PAGESIZE
         if self.host_ptr % page:
             raise TransferError("the CPU tier must start on a page boundary (SharedSegment payloads do)")
-        unit = math.lcm(page, self.block_bytes)
+        unit = math.lcm(page, self.stride)
         chunk_bytes = max(1, chunk_bytes // unit) * unit
-        self.chunk_blocks = chunk_bytes // self.block_bytes
-        start, end = self.host_ptr, -(-(self.host_ptr + self.rows.nbytes) // page) * page
+        self.chunk_blocks = chunk_bytes // self.stride
+        start, end = self.host_ptr, -(-(self.host_ptr + self.blocks.nbytes) // page) * page
         self._chunks = [(addr, min(chunk_bytes, end - addr)) for addr in range(start, end, chunk_bytes)]
         self._registered = []
         self._pinned_end = start                 # every byte below this address is registered
@@ -264,7 +264,7 @@ class CudaSwapSpace(SwapSpace):
 
     def wait_pinned(self, num_blocks: int | None = None):
         """Block until CPU blocks [0, num_blocks) (default: all) are registered."""
-        end = self.host_ptr + (self.num_blocks if num_blocks is None else num_blocks) * self.block_bytes
+        end = self.host_ptr + (self.num_blocks if num_blocks is None else num_blocks) * self.stride
         if self._pinned_end >= end:          # the common case, without the lock
             return
         with self._cond:
@@ -309,7 +309,7 @@ class _CudaCopier(Copier):
         self.pointers = list(cache.pointers)
         self.swap = swap
         self.spec = spec
-        self.block_bytes = spec.cpu_block_bytes
+        self.stride = spec.cpu_block_stride     # CPU block to CPU block; whole blocks move with their slots
         set_device(self.device_id)
         self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
 
@@ -388,22 +388,22 @@ class StagedCopier(_CudaCopier):
         self._row_ends = row_ends
         self._neg_blocks = [-b for b in row_blocks]          # ascending, for bisect
         self._full_blocks = row_blocks[-1]                   # ids below this have every tensor's row
-        self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_bytes)
+        self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_stride)
         super().__init__(cache, swap, spec)
         self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
         self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
         self._small_ids = min(self.chunk_blocks, SMALL_TASK_IDS)
 
     def _new_lane(self):
-        return Lane(STAGING_RING, self.chunk_blocks * self.block_bytes, host_ids=SMALL_TASK_IDS)
+        return Lane(STAGING_RING, self.chunk_blocks * self.stride, host_ids=SMALL_TASK_IDS)
 
     def _lengths(self, gpu: list) -> list:
         """Bytes of each task block present on the device: a prefix of the CPU block."""
-        full, ends, neg = self.block_bytes, self._row_ends, self._neg_blocks
+        full, ends, neg = self.stride, self._row_ends, self._neg_blocks
         return [full if g < self._full_blocks else ends[bisect.bisect_left(neg, -g) - 1] for g in gpu]
 
     def _run(self, lane, gpu, cpu, to_host):
-        lengths = self._lengths(gpu) if to_host else [self.block_bytes] * len(gpu)
+        lengths = self._lengths(gpu) if to_host else [self.stride] * len(gpu)
         if len(gpu) <= self._small_ids:
             return self._run_small(lane, gpu, cpu, lengths, to_host)
         (ids,) = lane.upload_ids(gpu)
@@ -416,25 +416,25 @@ class StagedCopier(_CudaCopier):
     def _run_small(self, lane, gpu, cpu, lengths, to_host):
         stage, stream = lane.slots[0].ptr, lane.stream
         ids = lane.put_host_ids(gpu)        # the lane's last task has finished (sync): the buffer is free
-        runs = dma_runs(cpu, lengths, self.block_bytes, self.swap.chunk_blocks)
+        runs = dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks)
         if to_host:
-            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.block_bytes, True)
+            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.stride, True)
         for first, cpu_id, nbytes in runs:
-            host, dev = self.swap.host_ptr + cpu_id * self.block_bytes, stage + first * self.block_bytes
+            host, dev = self.swap.host_ptr + cpu_id * self.stride, stage + first * self.stride
             memcpy_async(*((host, dev) if to_host else (dev, host)), nbytes, to_host, stream)
         if not to_host:
-            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.block_bytes, False)
+            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.stride, False)
         lane.sync_stream()
 
     def _gather(self, lane, slot, reused, ids, cpu, lengths):
         stage = lane.slots[slot].ptr
         if reused:      # its previous chunk must have left for the host
             cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
-        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.block_bytes, True)
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, True)
         cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.stream), "cudaEventRecord")
         cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
-        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.block_bytes, self.swap.chunk_blocks):
-            memcpy_async(self.swap.host_ptr + cpu_id * self.block_bytes, stage + first * self.block_bytes, nbytes,
+        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks):
+            memcpy_async(self.swap.host_ptr + cpu_id * self.stride, stage + first * self.stride, nbytes,
                          True, lane.dma_stream)
         cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.dma_stream), "cudaEventRecord")
 
@@ -442,12 +442,12 @@ class StagedCopier(_CudaCopier):
         stage = lane.slots[slot].ptr
         if reused:      # its previous chunk must have been scattered
             cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
-        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.block_bytes, self.swap.chunk_blocks):
-            memcpy_async(stage + first * self.block_bytes, self.swap.host_ptr + cpu_id * self.block_bytes, nbytes,
+        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks):
+            memcpy_async(stage + first * self.stride, self.swap.host_ptr + cpu_id * self.stride, nbytes,
                          False, lane.dma_stream)
         cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.dma_stream), "cudaEventRecord")
         cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
-        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.block_bytes, False)
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, False)
         cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.stream), "cudaEventRecord")
 
     def close(self):
@@ -466,7 +466,7 @@ class KernelCopier(_CudaCopier):
     def _run(self, lane, gpu_ids, cpu_ids, to_host):
         ids, slots = lane.upload_ids(gpu_ids, cpu_ids)
         self._kernel.launch(lane.stream, self.blocks, ids, slots, len(gpu_ids), self.swap.mapped_ptr(),
-                            self.block_bytes, to_host)
+                            self.stride, to_host)
         lane.sync()
 
     def close(self):
@@ -495,7 +495,7 @@ class MemcpyCopier(_CudaCopier):
     """One cudaMemcpyAsync per merged row (FastDeploy's cache_transfer_manager does this)."""
 
     def _rows(self, gpu_ids, cpu_ids, to_host):
-        return row_copies(self.infos, self.pointers, self.swap.host_ptr, self.block_bytes, gpu_ids, cpu_ids, to_host)
+        return row_copies(self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu_ids, cpu_ids, to_host)
 
     def _run(self, lane, gpu_ids, cpu_ids, to_host):
         for dst, src, size in zip(*(a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))):

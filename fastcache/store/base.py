@@ -1,7 +1,9 @@
 """The L3 store interface: put, get, exists and remove of one rank's CPU blocks, by key.
 
 A store serves one rank of one process. `attach` hands it the rank's CPU tier once (Mooncake registers
-it, so puts and gets read and write the CPU blocks in place); every call then names CPU blocks by id.
+it, so puts and gets read and write the CPU blocks in place); every call then names CPU blocks by id. An
+object is a block's bytes followed by its header (keys), which a put writes into the slot after the
+block and a get fetches into it, so the whole object is one buffer of the tier.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..errors import TransferError
-from .keys import ObjectKeys
+from .keys import HEADER_BYTES, ObjectKeys
 
 
 class StoreError(TransferError):
@@ -24,13 +26,19 @@ MISS = "L3 miss"
 class BlockStore(ABC):
     url: str
 
-    def attach(self, tier: np.ndarray):
-        """The rank's CPU tier, uint8 [num_cpu_blocks, cpu_block_bytes]; put and get address its rows."""
-        self.tier = tier
+    def attach(self, blocks: np.ndarray, block_bytes: int):
+        """The rank's CPU tier, uint8 [num_cpu_blocks, cpu_block_stride]: each row a block of `block_bytes`,
+        then its slot, where put and get lay the object's header (see keys). `tier` views the blocks' bytes."""
+        if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] < block_bytes + HEADER_BYTES \
+                or not blocks.flags.c_contiguous:
+            raise ValueError(f"a CPU tier is a C-contiguous uint8 [blocks, stride] array with room for a "
+                             f"{HEADER_BYTES}-byte header after each block of {block_bytes} bytes")
+        self.blocks, self.tier = blocks, blocks[:, :block_bytes]
+        self.headers = blocks[:, block_bytes:block_bytes + HEADER_BYTES]
 
     def detach(self):
         """Forget the CPU tier (before its memory is unmapped)."""
-        self.tier = None
+        self.blocks = self.tier = self.headers = None
 
     @abstractmethod
     def put(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray) -> int:

@@ -1,6 +1,7 @@
 """What names an L3 object and what it carries: key, geometry fingerprint and the header checked on fetch.
 
-An object holds one rank's CPU block of one hash: a 64-byte header, then the block's bytes. The header
+An object holds one rank's CPU block of one hash: the block's bytes, then a 64-byte header (laid in the
+CPU tier's slot after the block, so that a store moves the object as one buffer). The header
 repeats everything the key says (namespace, geometry fingerprint, hash, rank) plus the payload's length
 and checksum, so a fetch that finds a foreign, stale, truncated or corrupted object under the key sees a
 mismatch and reports a miss: it never hands out wrong bytes.
@@ -17,7 +18,7 @@ import xxhash
 
 from ..config import CacheSpec
 
-FORMAT = 1                                  # bump when the object layout or the fingerprint inputs change
+FORMAT = 2                                  # bump when the object layout or the fingerprint inputs change
 MAGIC = b"FCL3OBJ%d" % FORMAT
 # magic, rank, reserved, hash, payload length, payload checksum (xxh3-64), fingerprint, namespace digest
 HEADER = struct.Struct("<8sIIQQQ8s16s")
@@ -95,6 +96,10 @@ class ObjectKeys:
 
     def write_header(self, out: np.ndarray, h: int, payload):
         out[:HEADER_BYTES] = np.frombuffer(self.header(h, payload), np.uint8)
+
+    def object(self, h: int, payload) -> bytes:
+        """The whole object of hash h as a store holds it: the payload, then its header."""
+        return bytes(payload) + self.header(h, payload)
 
     def matches(self, h: int, header, payload) -> bool:
         """Does this header describe exactly this key, and does the payload have its length and checksum?"""

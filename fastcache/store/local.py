@@ -1,6 +1,6 @@
 """file:///DIR: the L3 store as files in a local directory, for a single machine without Mooncake.
 
-An object is one file, header then payload, at DIR/objects/<namespace>/<fingerprint>/<hh>/<hash>.r<rank>.
+An object is one file, payload then header as in keys, at DIR/objects/<namespace>/<fingerprint>/<hh>/<hash>.r<rank>.
 A put writes a temporary file in DIR/tmp (same file system) and renames it into place, so a reader sees
 the whole object or none, and a writer killed half-way leaves only a temporary file, which the next store
 opened on DIR removes once its writer is dead.
@@ -22,7 +22,7 @@ from .keys import HEADER_BYTES, ObjectKeys
 class FileStore(BlockStore):
     def __init__(self, url: str, root: str):
         self.url, self.root = url, root
-        self.tier = None
+        self.detach()
         self._objects = os.path.join(root, "objects")
         self._tmp = os.path.join(root, "tmp")
         try:
@@ -60,8 +60,8 @@ class FileStore(BlockStore):
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    _write_all(fd, keys.header(h, payload))
                     _write_all(fd, memoryview(payload))
+                    _write_all(fd, keys.header(h, payload))
                 finally:
                     os.close(fd)
                 os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
@@ -79,9 +79,9 @@ class FileStore(BlockStore):
             path = self._path(keys, h, base)
             try:
                 with open(path, "rb", buffering=0) as f:
-                    header = f.read(HEADER_BYTES)
-                    n = _read_into(f, memoryview(row)) if len(header) == HEADER_BYTES else 0
-                    whole = n == len(row) and not f.read(1)         # a longer file is not this object
+                    n = _read_into(f, memoryview(row))
+                    header = f.read(HEADER_BYTES + 1)           # a longer file is not this object
+                    whole = n == len(row) and len(header) == HEADER_BYTES
             except FileNotFoundError:
                 continue
             except OSError as exc:

@@ -1,10 +1,10 @@
 """mooncake://HOST:PORT: the L3 store in Mooncake Store, whose master listens on HOST:PORT.
 
-The rank's CPU tier is registered with Mooncake once, and so is a small header pool beside it (one
-64-byte slot per CPU block). An object is put from two buffers, [header slot, CPU block], and fetched
-back into the same two (`batch_put_from_multi_buffers`, `batch_get_into_multi_buffers`): the block's
-bytes move between the store and the CPU tier in place, yet header and payload are one object, so they
-appear, vanish and are evicted together; a separate header object could outlive or miss its payload.
+The rank's CPU tier is registered with Mooncake once. An object is one buffer of the tier: a CPU block and
+the header in the slot after it (`batch_put_from`, `batch_get_into`), so the block's bytes move between
+the store and the CPU tier in place, and header and payload appear, vanish and are evicted together; a
+separate header object could outlive or miss its payload, and a second buffer per object costs Mooncake's
+TCP transport a slice per object (about 15% of a 512 KiB get on loopback).
 A fetch writes the payload into its CPU block before the header is checked, so the caller must treat
 that block as garbage on a miss (TieredCache loads L3 hits only into blocks nobody else can see yet).
 Mooncake keeps an existing object on a second put of its key: keys are content addresses, so the
@@ -55,8 +55,8 @@ class MooncakeStore(BlockStore):
     def __init__(self, url: str, master: str, protocol: str = "tcp", devices: str = "",
                  local_hostname: str = "127.0.0.1", segment_bytes: int = 0):
         self.url, self.master = url, master
-        self.tier = self._headers = None
-        self._registered = []
+        self.blocks = self.tier = self.headers = None
+        self._registered = None         # address of the registered CPU tier
         _environment(protocol, local_hostname)
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -73,26 +73,25 @@ class MooncakeStore(BlockStore):
                              f"(setup returned {rc}); is mooncake_master running there?")
 
     # -- the CPU tier ----------------------------------------------------------------------------
-    def attach(self, tier: np.ndarray):
+    def attach(self, blocks, block_bytes):
         self.detach()
-        headers = np.zeros((tier.shape[0], HEADER_BYTES), np.uint8)
-        for array in (tier, headers):
-            rc = self._client.register_buffer(array.ctypes.data, array.nbytes)
-            if rc != 0:
-                self.detach()
-                raise StoreError(f"store {self.url}: registering {array.nbytes} bytes failed ({_name(rc)})")
-            self._registered.append(array.ctypes.data)
-        self.tier, self._headers = tier, headers
+        super().attach(blocks, block_bytes)
+        rc = self._client.register_buffer(blocks.ctypes.data, blocks.nbytes)
+        if rc != 0:
+            self.detach()
+            raise StoreError(f"store {self.url}: registering {blocks.nbytes} bytes failed ({_name(rc)})")
+        self._registered = blocks.ctypes.data
 
     def detach(self):
-        for ptr in self._registered:
-            self._client.unregister_buffer(ptr)
-        self._registered, self.tier, self._headers = [], None, None
+        if self._registered is not None:
+            self._client.unregister_buffer(self._registered)
+        self._registered = None
+        super().detach()
 
     def _buffers(self, cpu_ids):
-        """Per object, the two buffers it is put from or fetched into: its header slot, its CPU block."""
-        hp, tp, bb = self._headers.ctypes.data, self.tier.ctypes.data, self.tier.shape[1]
-        return [[hp + c * HEADER_BYTES, tp + c * bb] for c in cpu_ids], [[HEADER_BYTES, bb]] * len(cpu_ids)
+        """Per object, the one buffer it is put from or fetched into: its CPU block and the slot after it."""
+        base, stride, size = self.blocks.ctypes.data, self.blocks.shape[1], self.tier.shape[1] + HEADER_BYTES
+        return [base + c * stride for c in cpu_ids], [size] * len(cpu_ids)
 
     def _chunks(self, n):
         """Parts of a call: the first small, so that the first transfer starts after little checksum work."""
@@ -108,7 +107,7 @@ class MooncakeStore(BlockStore):
         def prepare(part):          # headers and checksums of the next part, while the previous one moves
             names = []
             for h, c in zip(hashes[part], cpu_ids[part]):
-                keys.write_header(self._headers[c], h, self.tier[c])
+                keys.write_header(self.headers[c], h, self.tier[c])
                 names.append(keys.name(h))
             return (names, *self._buffers(cpu_ids[part]))
 
@@ -122,7 +121,7 @@ class MooncakeStore(BlockStore):
                 elif code < 0:
                     raise StoreError(f"store {self.url}: put of {name} failed: {_name(code)}")
 
-        self._pipelined(len(hashes), prepare, self._client.batch_put_from_multi_buffers, finish)
+        self._pipelined(len(hashes), prepare, self._client.batch_put_from, finish)
         return full
 
     def get(self, keys, hashes, cpu_ids):
@@ -136,7 +135,7 @@ class MooncakeStore(BlockStore):
         def finish(part, job, codes):       # checksums of this part, while the next one moves
             for i, (name, h, c, code) in enumerate(zip(job[0], hashes[part], cpu_ids[part], codes)):
                 if code == whole:
-                    hits[part.start + i] = keys.matches(h, self._headers[c], self.tier[c])
+                    hits[part.start + i] = keys.matches(h, self.headers[c], self.tier[c])
                     if not hits[part.start + i]:
                         bad.append(name)
                 elif code >= 0 or (code in SIZE_CODES and self._other_size(name, whole)):
@@ -144,7 +143,7 @@ class MooncakeStore(BlockStore):
                 elif code not in MISS_CODES:
                     raise StoreError(f"store {self.url}: get of {name} failed: {_name(code)}")
 
-        self._pipelined(len(hashes), prepare, self._client.batch_get_into_multi_buffers, finish)
+        self._pipelined(len(hashes), prepare, self._client.batch_get_into, finish)
         if bad:     # foreign or corrupt objects under our keys: removed, so that a put can replace them
             self._client.batch_remove(bad, True)
         return hits

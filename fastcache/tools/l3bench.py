@@ -4,10 +4,9 @@ For each store it starts a deployment (sim device) with random bytes in every CP
 that alternate the order, times
   - fastcache: `cpu_to_store` / `store_to_cpu` of N blocks (submission to every rank's report: the queue,
     the transfer managers, headers and checksums, and the store I/O), every fetched byte verified;
-  - Mooncake's own `batch_put_from` / `batch_get_into` of the same CPU blocks from this process, one
-    client per rank, registered the same way (the ceiling fastcache's path is measured against), and
-    the same with a 64-byte header buffer beside each block (`batch_*_multi_buffers`, the layout of
-    fastcache's objects) to tell the cost of that layout from the cost of fastcache's own work;
+  - Mooncake's own `batch_put_from` / `batch_get_into` of the same CPU blocks (without a header) from
+    this process, one client per rank, registered the same way (the ceiling fastcache's path is measured
+    against);
 and reports GB/s (bytes over all ranks per second, median of the rounds, with min and max) and the ratio
 of the two, taken per round (the two sides run back to back, so a busy machine slows both alike).
 `--store mooncake` starts a local master and memory server for the run; a `mooncake://` URL uses yours.
@@ -26,7 +25,6 @@ import numpy as np
 
 from ..config import CacheSpec
 from ..engine.backend import SwapBackend
-from ..store.keys import HEADER_BYTES
 from ..worker import CacheWorker
 
 
@@ -60,15 +58,12 @@ class RawMooncake:
         from ..store.mooncake import _environment
         _environment("tcp", "127.0.0.1")
         self.clients, self.tiers = [], tiers
-        for tier in tiers:
+        for tier in tiers:      # a view of the blocks without their slots: register the whole tier
             client = MooncakeDistributedStore()
             if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", master) != 0:
                 raise RuntimeError(f"cannot reach the Mooncake master at {master}")
-            client.register_buffer(tier.ctypes.data, tier.nbytes)
+            client.register_buffer(tier.ctypes.data, len(tier) * tier.strides[0])
             self.clients.append(client)
-        self.headers = [np.ones((len(tier), HEADER_BYTES), np.uint8) for tier in tiers]
-        for client, headers in zip(self.clients, self.headers):
-            client.register_buffer(headers.ctypes.data, headers.nbytes)
 
     def _each_rank(self, fn):
         errors = []
@@ -87,38 +82,30 @@ class RawMooncake:
             raise errors[0]
 
     def _args(self, prefix, rank, tier, cpu):
-        bb = tier.shape[1]
-        return ([f"{prefix}/{c}/r{rank}" for c in cpu], [tier.ctypes.data + int(c) * bb for c in cpu], [bb] * len(cpu))
+        stride, size = tier.strides[0], tier.shape[1]
+        return ([f"{prefix}/{c}/r{rank}" for c in cpu], [tier.ctypes.data + int(c) * stride for c in cpu],
+                [size] * len(cpu))
 
-    def _two(self, rank, ptrs, sizes, cpu):
-        """[header slot, block] per object, as fastcache lays its objects out."""
-        hp = self.headers[rank].ctypes.data
-        return [[hp + int(c) * HEADER_BYTES, p] for c, p in zip(cpu, ptrs)], [[HEADER_BYTES, s] for s in sizes]
-
-    def put(self, prefix, cpu, two=False):
+    def put(self, prefix, cpu):
         def one(rank, client, tier):
-            names, ptrs, sizes = self._args(prefix, rank, tier, cpu)
-            codes = client.batch_put_from_multi_buffers(names, *self._two(rank, ptrs, sizes, cpu)) if two \
-                else client.batch_put_from(names, ptrs, sizes)
+            codes = client.batch_put_from(*self._args(prefix, rank, tier, cpu))
             assert all(c == 0 for c in codes), codes
         self._each_rank(one)
 
-    def get(self, prefix, src, dst, two=False):
+    def get(self, prefix, src, dst):
         def one(rank, client, tier):
             names, _, sizes = self._args(prefix, rank, tier, src)
             _, ptrs, _ = self._args(prefix, rank, tier, dst)
-            codes = client.batch_get_into_multi_buffers(names, *self._two(rank, ptrs, sizes, dst)) if two \
-                else client.batch_get_into(names, ptrs, sizes)
-            assert all(c == sizes[0] + two * HEADER_BYTES for c in codes), codes
+            codes = client.batch_get_into(names, ptrs, sizes)
+            assert all(c == sizes[0] for c in codes), codes
         self._each_rank(one)
 
     def remove(self, prefix, cpu):
         self._each_rank(lambda rank, client, tier: client.batch_remove(self._args(prefix, rank, tier, cpu)[0], True))
 
     def close(self):
-        for client, tier, headers in zip(self.clients, self.tiers, self.headers):
+        for client, tier in zip(self.clients, self.tiers):
             client.unregister_buffer(tier.ctypes.data)
-            client.unregister_buffer(headers.ctypes.data)
             client.close()
 
 
@@ -126,8 +113,7 @@ def bench_store(url: str, spec: CacheSpec, args) -> dict:
     rng = np.random.default_rng(0)
     n, tp = args.blocks, args.tp
     nbytes = n * spec.cpu_block_bytes * tp
-    rates = {"fastcache_put": [], "fastcache_get": [], "store_put": [], "store_get": [], "store2_put": [],
-             "store2_get": []}
+    rates = {"fastcache_put": [], "fastcache_get": [], "store_put": [], "store_get": []}
     with SwapBackend(spec, tp_size=tp, device="sim", store=url) as backend:
         workers = [CacheWorker(spec, rank=r, tp_size=tp, device="sim", suffix=backend.suffix,
                                framework="numpy").start() for r in range(tp)]
@@ -158,15 +144,14 @@ def bench_store(url: str, spec: CacheSpec, args) -> dict:
                                 raise AssertionError(f"{url}: fetched bytes differ from the stored ones")
                         backend.store_remove(ns, hashes)
                     elif raw is not None:
-                        for two in (False, True):
-                            prefix, label = f"bench-raw/{rnd}/{int(two)}", "store2" if two else "store"
-                            t = time.perf_counter()
-                            raw.put(prefix, src, two)
-                            rates[f"{label}_put"].append(nbytes / (time.perf_counter() - t) / 1e9)
-                            t = time.perf_counter()
-                            raw.get(prefix, src, dst, two)
-                            rates[f"{label}_get"].append(nbytes / (time.perf_counter() - t) / 1e9)
-                            raw.remove(prefix, src)
+                        prefix = f"bench-raw/{rnd}"
+                        t = time.perf_counter()
+                        raw.put(prefix, src)
+                        rates["store_put"].append(nbytes / (time.perf_counter() - t) / 1e9)
+                        t = time.perf_counter()
+                        raw.get(prefix, src, dst)
+                        rates["store_get"].append(nbytes / (time.perf_counter() - t) / 1e9)
+                        raw.remove(prefix, src)
         finally:
             if raw is not None:
                 raw.close()
@@ -177,7 +162,6 @@ def bench_store(url: str, spec: CacheSpec, args) -> dict:
     if rates["store_put"]:      # per round, fastcache against the store measured right beside it
         for op in ("put", "get"):
             out[f"ratio_{op}"] = summary([a / b for a, b in zip(rates[f"fastcache_{op}"], rates[f"store_{op}"])])
-            out[f"ratio2_{op}"] = summary([a / b for a, b in zip(rates[f"fastcache_{op}"], rates[f"store2_{op}"])])
     return out
 
 
@@ -206,8 +190,7 @@ def main(argv=None) -> int:
         for op in ("put", "get"):
             line = f"  {op}: fastcache {_fmt(r['fastcache_' + op])}"
             if f"store_{op}" in r:
-                line += (f", Mooncake's own {_fmt(r['store_' + op])}, ratio {_fmt(r['ratio_' + op])}; "
-                         f"with a header buffer {_fmt(r['store2_' + op])}, ratio {_fmt(r['ratio2_' + op])}")
+                line += f", Mooncake's own {_fmt(r['store_' + op])}, ratio {_fmt(r['ratio_' + op])}"
             print(line)
     return 0
 

@@ -44,9 +44,10 @@ class StoreIO:
         self.skipped_full = 0           # objects a full store did not take
         self._full_logged = -60.0
 
-    def run(self, task: StoreTask, tier: np.ndarray, spec: CacheSpec, tp_size: int) -> int:
-        """Execute one L3 task against `tier` (the rank's CPU tier); returns the bytes moved."""
-        store = self._open(tier)
+    def run(self, task: StoreTask, blocks: np.ndarray, spec: CacheSpec, tp_size: int) -> int:
+        """Execute one L3 task against the rank's CPU tier (`blocks`: each block with its slot); returns the
+        bytes moved."""
+        store = self._open(blocks, spec.cpu_block_bytes)
         fp = fingerprint(spec, tp_size)
         keys = self._keys.get((task.namespace, fp))
         if keys is None:
@@ -73,13 +74,13 @@ class StoreIO:
             log.info("rank %d: store %s full: %d puts skipped so far (it evicts to make room)", self.rank, self.url,
                      self.skipped_full)
 
-    def _open(self, tier):
+    def _open(self, blocks, block_bytes):
         with self._lock:
             if self._store is None:
                 self._store = open_store(self.url)
-            if self._tier is not tier:
-                self._store.attach(tier)
-                self._tier = tier
+            if self._tier is not blocks:
+                self._store.attach(blocks, block_bytes)
+                self._tier = blocks
             return self._store
 
     def detach(self):

@@ -303,7 +303,7 @@ class TransferManager:
             elif task.kind == protocol.SWAP_TO_GPU:
                 self.copier.swap_in(task.gpu_ids, task.cpu_ids)
             else:
-                nbytes = self.l3.run(task, self.swap.rows, self.spec, self.tp_size)
+                nbytes = self.l3.run(task, self.swap.blocks, self.spec, self.tp_size)
         except Exception as exc:
             log.error("rank %d: task %d failed: %s", self.rank, task.task_id, exc)
             return protocol.encode("failed", task_id=task.task_id, rank=self.rank,
