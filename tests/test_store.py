@@ -93,14 +93,14 @@ def test_header_names_every_field_it_checks():
 
 
 @pytest.mark.parametrize("url", ["file:///tmp/x", "mooncake://127.0.0.1:50051", "mooncake://host:1?protocol=rdma&device=mlx5_0",
-                                 "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2"])
+                                 "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2", "mooncake://h:5?batch_mb=8"])
 def test_good_store_urls(url):
     assert parse_store_url(url).url == url
 
 
 @pytest.mark.parametrize("url", ["file://relative/dir", "file:///x?y=1", "mooncake://host", "mooncake://:5",
                                  "mooncake://h:5/path", "mooncake://h:5?protocol=udp", "mooncake://h:5?bogus=1",
-                                 "mooncake://h:5?segment_mb=-1", "redis://h:5", "", 5])
+                                 "mooncake://h:5?segment_mb=-1", "mooncake://h:5?batch_mb=0", "redis://h:5", "", 5])
 def test_bad_store_urls(url):
     with pytest.raises(ValueError):
         parse_store_url(url)

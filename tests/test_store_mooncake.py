@@ -18,6 +18,7 @@ else:
 from conftest import deployment, round_trip, small_spec
 from fastcache import TransferError
 from fastcache.store import ObjectKeys, StoreError, as_hashes, fingerprint, open_store
+from fastcache.store import mooncake as mooncake_store
 from fastcache.store.service import MooncakeService, free_port
 from store_peer import run_peer
 from test_store import kill_during_put
@@ -64,6 +65,21 @@ def test_round_trip_in_place_of_random_blocks(store):
         assert not store.get(other, hashes, np.arange(20, 30)).any()
     store.remove(k, hashes[:4])
     np.testing.assert_array_equal(store.exists(k, hashes), [False] * 4 + [True] * 6)
+
+
+def test_a_task_in_several_parts_round_trips_and_reports_each_miss_in_place(store, monkeypatch):
+    """Large tasks go to Mooncake in parts (checksums of one overlap the next one's transfer)."""
+    monkeypatch.setattr(mooncake_store, "BATCH_OBJECTS", 3)
+    assert len(store._chunks(10)) == 4
+    tier, k = store.tier, keys(unique("parts"))
+    hashes = as_hashes(range(100, 110))
+    want = tier[:10].copy()
+    store.put(k, hashes, np.arange(10))
+    store.remove(k, hashes[[4, 8]])
+    tier[10:20] = 0
+    hits = store.get(k, hashes, np.arange(10, 20))
+    np.testing.assert_array_equal(hits, ~np.isin(np.arange(10), [4, 8]))
+    np.testing.assert_array_equal(tier[10:20][hits], want[hits])
 
 
 @pytest.fixture
@@ -132,7 +148,8 @@ def test_two_deployments_share_blocks_through_mooncake(service):
 
 
 def test_transfer_manager_killed_during_a_put_leaves_no_visible_entry(service):
-    kill_during_put(service.url)
+    # parts of 1 MiB (16 blocks): a put becomes visible part by part, so the kill lands in the middle
+    kill_during_put(service.url + "?batch_mb=1")
 
 
 def test_unreachable_master_fails_l3_by_name_within_bounded_time():

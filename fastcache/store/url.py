@@ -3,7 +3,8 @@
 Mooncake options (all optional): `protocol=tcp|rdma`, `device=mlx5_0,mlx5_1` (RDMA devices),
 `local_hostname=ADDR` (the address other hosts reach this process on; 127.0.0.1 only works on one
 machine), `segment_mb=N` (memory this process lends to the pool; 0, the default, lends none and leaves
-the objects to the store's own memory servers, so they outlive a deployment).
+the objects to the store's own memory servers, so they outlive a deployment), `batch_mb=N` (the most
+one Mooncake call moves, default 256; a larger task goes in parts).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .base import BlockStore
 
-MOONCAKE_OPTIONS = ("protocol", "device", "local_hostname", "segment_mb")
+MOONCAKE_OPTIONS = ("protocol", "device", "local_hostname", "segment_mb", "batch_mb")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ def parse_store_url(url) -> StoreURL:
             raise ValueError(f"store {url!r}: protocol must be tcp or rdma")
         if not options.get("segment_mb", "0").isdigit():
             raise ValueError(f"store {url!r}: segment_mb must be a whole number of MiB")
+        if not options.get("batch_mb", "1").isdigit() or int(options.get("batch_mb", "1")) < 1:
+            raise ValueError(f"store {url!r}: batch_mb must be a whole number of MiB >= 1")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return StoreURL(url, "mooncake", f"{host}:{port}", options)
     raise ValueError(f"store {url!r}: expected mooncake://HOST:PORT or file:///DIR")
@@ -63,4 +66,5 @@ def open_store(url) -> BlockStore:
     opts = parsed.options
     return MooncakeStore(parsed.url, parsed.location, protocol=opts.get("protocol", "tcp"),
                          devices=opts.get("device", ""), local_hostname=opts.get("local_hostname", "127.0.0.1"),
-                         segment_bytes=int(opts.get("segment_mb", "0")) << 20)
+                         segment_bytes=int(opts.get("segment_mb", "0")) << 20,
+                         batch_bytes=int(opts.get("batch_mb", "256")) << 20)
