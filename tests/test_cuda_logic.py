@@ -174,17 +174,20 @@ def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layo
     swap = cuda_ops.CudaSwapSpace(segment, spec, 0, chunk_bytes=8192)
     copier = cuda_ops.make_copier(method, cache, swap, spec)
     try:
-        swap.rows[...] = rng.integers(1, 256, swap.rows.shape, dtype=np.uint8)
+        swap.blocks[...] = rng.integers(1, 256, swap.blocks.shape, dtype=np.uint8)     # blocks and their slots
         # runs of consecutive CPU blocks and scattered ones
         gpu_ids = np.r_[3, 4, 5, rng.choice(np.arange(6, 40), 14, replace=False)]
         cpu_ids = np.r_[10, 11, 12, rng.choice(np.r_[0:10, 13:30], 14, replace=False)]
-        want = swap.rows.copy()
+        want, whole = swap.rows.copy(), swap.blocks.copy()
         for info, rows in zip(infos, gpu):
             has = gpu_ids < info.num_blocks        # draft layers: the other CPU rows keep their bytes
             want[cpu_ids[has], info.cpu_offset:info.cpu_offset + info.block_bytes] = rows[gpu_ids[has]]
         fake_cuda.copies.clear()
         copier.swap_out(gpu_ids, cpu_ids)
         assert np.array_equal(swap.rows, want)
+        # nothing outside the task's blocks changes, other blocks' slots included (a store task may use them)
+        others = np.setdiff1d(np.arange(spec.num_cpu_blocks), cpu_ids)
+        assert np.array_equal(swap.blocks[others], whole[others])
         if method == "staged" and staging_mb == 32 and layout != "draft_layers":
             # a small task: no upload of the ids, one copy per run of consecutive CPU ids (whole blocks)
             runs = 1 + np.count_nonzero(np.diff(cpu_ids) != 1)
@@ -192,8 +195,9 @@ def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layo
             assert sum(fake_cuda.copies) == len(cpu_ids) * spec.cpu_block_stride  # whole blocks with their slots
 
         dst = rng.choice(40, len(cpu_ids), replace=False)
-        before = [rows.copy() for rows in gpu]
+        before, tier = [rows.copy() for rows in gpu], swap.blocks.copy()
         copier.swap_in(dst, cpu_ids)
+        assert np.array_equal(swap.blocks, tier), "swap_in wrote the CPU tier"
         for info, rows, old in zip(infos, gpu, before):
             has = dst < info.num_blocks
             cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
