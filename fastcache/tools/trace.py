@@ -185,8 +185,9 @@ def store_for_run(args, report, spec):
         return
     with contextlib.ExitStack() as stack:
         if args.store == "mooncake":
+            from ..store.keys import HEADER_BYTES
             from ..store.service import MooncakeService
-            need = report["distinct_blocks"] * (spec.cpu_block_bytes + 64) * args.tp
+            need = report["distinct_blocks"] * (spec.cpu_block_bytes + HEADER_BYTES) * args.tp    # every object
             mb = args.store_mb or int(need * 1.3 / 2**20) + 64      # Mooncake evicts above 90% full
             args.store_url = stack.enter_context(MooncakeService(segment_mb=mb)).url
             report["store_mb"] = mb
