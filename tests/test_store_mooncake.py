@@ -92,6 +92,34 @@ def raw(service):
     client.close()
 
 
+def test_a_failed_part_raises_only_once_no_part_is_in_flight(store, monkeypatch):
+    """A fetch still writing into CPU blocks after its task failed would corrupt blocks handed out again:
+    the part in flight when an earlier one fails is waited for."""
+    monkeypatch.setattr(mooncake_store, "BATCH_OBJECTS", 2)
+    k = keys(unique("fail"))
+    hashes = as_hashes(range(200, 208))
+    store.put(k, hashes, np.arange(8))
+    real, calls, running = store._client, [], []
+
+    class SecondPartFails:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_get_into(self, names, ptrs, sizes):
+            calls.append(names)
+            running.append(names)
+            try:
+                time.sleep(0.2)
+                codes = real.batch_get_into(names, ptrs, sizes)
+                return [-900] * len(codes) if len(calls) == 2 else codes
+            finally:
+                running.remove(names)
+    monkeypatch.setattr(store, "_client", SecondPartFails())
+    with pytest.raises(StoreError, match="RPC_FAIL"):
+        store.get(k, hashes, np.arange(10, 18))
+    assert len(calls) == 3 and not running      # the third part had started, and had finished
+
+
 def test_an_object_is_one_buffer_of_the_tier_the_block_then_its_header(store, raw):
     """Put from and fetched into [CPU block, the slot after it]: Mooncake holds exactly the block's bytes and
     its header, and nothing but the named blocks and their slots changes."""
