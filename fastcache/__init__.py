@@ -1,7 +1,7 @@
 """fastcache: moves paged LLM KV-cache blocks between GPU memory and pinned CPU memory."""
 from .config import CacheSpec, Settings
 from .engine import SwapBackend, TieredCache, TransferHandle
-from .errors import TransferError
+from .errors import RefusedError, TransferError
 
-__all__ = ["CacheSpec", "Settings", "SwapBackend", "TieredCache", "TransferHandle", "TransferError"]
+__all__ = ["CacheSpec", "Settings", "SwapBackend", "TieredCache", "TransferHandle", "TransferError", "RefusedError"]
 __version__ = "0.1.0"

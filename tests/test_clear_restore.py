@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from fastcache import SwapBackend, TransferError
+from fastcache import RefusedError, SwapBackend, TransferError
 from fastcache.ipc.signal import CLEARED, CLEARING, NORMAL
 from fastcache.launch import shm_bytes, start_workers, stop_workers
 
@@ -31,7 +31,7 @@ def test_clear_frees_shared_memory_and_restore_brings_new_tensors():
         assert cache_segments(backend.suffix) == []    # the cache's bytes are gone from /dev/shm
         assert workers[0].key_caches == [] and not backend.signals.cache_ready.any()
         assert backend.allocator.num_free == spec.num_cpu_blocks     # every cached block is stale
-        with pytest.raises(TransferError, match="CLEARED"):
+        with pytest.raises(RefusedError, match="CLEARED"):   # a TransferError that says "later", not "broken"
             backend.swap_out([1], [1])
         backend.clear_caches(timeout=30)               # idempotent
         backend.restore_caches(timeout=30)

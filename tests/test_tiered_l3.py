@@ -164,6 +164,62 @@ def test_a_failing_store_never_stops_the_cpu_tier(tmp_path):
             cache.load([1], [7])
 
 
+def refuse_puts_as_in_a_reshard(backend, monkeypatch) -> list:
+    """The next puts meet a reshard that began after their blocks were named: the backend refuses them
+    (RefusedError, the real refusal). Returns the list the refusals are recorded in."""
+    from fastcache import RefusedError
+    from fastcache.ipc.signal import NORMAL, RESHARDING
+    real, refused = backend.cpu_to_store, []
+
+    def during_a_reshard(*args):
+        backend.signals.status = RESHARDING
+        try:
+            return real(*args)
+        except RefusedError as exc:
+            refused.append(exc)
+            raise
+        finally:
+            backend.signals.status = NORMAL
+    monkeypatch.setattr(backend, "cpu_to_store", during_a_reshard)
+    return refused
+
+
+def test_a_write_back_the_deployment_refuses_does_not_set_the_store_aside(tmp_path, monkeypatch):
+    """A store() that named its victims just before a reshard (or clear) began has its write-back refused:
+    that says nothing about the store, which stays in use (it used to be set aside for 10 s)."""
+    rng = np.random.default_rng(8)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=2)
+        want = fill(workers, [0, 1, 2, 3], rng)
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        refused = refuse_puts_as_in_a_reshard(backend, monkeypatch)
+        cache.store([3], [2]).result(timeout=30)        # evicts 2: its write-back is refused
+        monkeypatch.undo()
+        assert len(refused) == 1 and cache.stats()["l3_errors"] == 0
+        assert cache.lookup_tiers([2]) == (0, 0)        # not written back: a miss, not an error
+        cache.store([4], [3]).result(timeout=30)        # evicts 1: written back, the store in use
+        wait_for(lambda: cache.stats()["l3_written_blocks"] == 1, 30, "the write-back")
+        assert cache.lookup_tiers([1]) == (1, 1)
+        poison(workers, [5], rng)
+        cache.load([1], [5]).result(timeout=30)
+        check(workers, [5], [w[:1] for w in want])
+
+
+def test_a_write_through_the_deployment_refuses_does_not_set_the_store_aside(tmp_path, monkeypatch):
+    rng = np.random.default_rng(9)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4, write="through")
+        fill(workers, [0, 1], rng)
+        refused = refuse_puts_as_in_a_reshard(backend, monkeypatch)
+        cache.store([1], [0]).result(timeout=30)        # its put, on the writer thread, is refused
+        wait_for(lambda: refused, 30, "the refused write-through")
+        monkeypatch.undo()
+        cache.store([2], [1]).result(timeout=30)
+        wait_for(lambda: cache.stats()["l3_written_blocks"] == 1, 30, "the next write-through")
+        assert cache.stats()["l3_errors"] == 0
+        assert backend.store_contains("m", [1, 2]).tolist() == [False, True]
+
+
 def test_after_a_clear_the_new_namespace_misses_the_old_objects(tmp_path):
     rng = np.random.default_rng(8)
     with deployment(SPEC, tp=1, store=f"file://{tmp_path}/l3") as (backend, workers):

@@ -23,7 +23,7 @@ import psutil
 import zmq
 
 from ..config import CacheSpec, Settings
-from ..errors import TransferError
+from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.naming import new_suffix, swap_space_name
@@ -207,11 +207,11 @@ class SwapBackend(StoreTasks, ReshardPhase):
             raise TransferError("the backend is not running")
         status = self.signals.status
         if status != NORMAL:
-            raise TransferError(f"swap refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
-                                f"(the cache is being cleared or restored)")
+            raise RefusedError(f"swap refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
+                               f"(the cache is being cleared, restored or resharded)")
         self._raise_if_failed()
         if not self._all_ready():
-            raise TransferError(f"swap refused: deployment not ready ({self._readiness()}); call wait_ready()")
+            raise RefusedError(f"swap refused: deployment not ready ({self._readiness()}); call wait_ready()")
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
                                 self.spec.task_bytes(gpu_ids) * self.tp_size)
         handle.add_done_callback(self.counters.record)

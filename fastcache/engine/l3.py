@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from ..errors import TransferError
+from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
 from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store, parse_store_url
@@ -75,11 +75,11 @@ class StoreTasks:
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         if self.signals.status != NORMAL:
-            raise TransferError(f"store task refused: kv_cache_status is "
+            raise RefusedError(f"store task refused: kv_cache_status is "
                                 f"{STATUS_NAMES.get(self.signals.status, self.signals.status)}")
         self._raise_if_failed()
         if not self._all_ready():
-            raise TransferError(f"store task refused: deployment not ready ({self._readiness()}); call wait_ready()")
+            raise RefusedError(f"store task refused: deployment not ready ({self._readiness()}); call wait_ready()")
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
                                 len(cpu_ids) * self.spec.cpu_block_bytes * self.tp_size)
         handle.add_done_callback(self.counters.record)       # fastcache.metrics: per direction

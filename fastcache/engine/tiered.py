@@ -37,7 +37,7 @@ from operator import itemgetter
 import numpy as np
 
 from .. import metrics
-from ..errors import TransferError
+from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
 from .backend import _as_ids
@@ -434,7 +434,7 @@ class TieredCache(L3Tier):
             raise TransferError(self._refused)
         state = self._backend_refusal()
         if state:
-            raise TransferError(f"the cache refuses requests now: {state}")
+            raise RefusedError(f"the cache refuses requests now: {state}")
 
     def _backend_refusal(self) -> str | None:
         backend = self.backend

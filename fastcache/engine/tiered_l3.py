@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..errors import TransferError
+from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..store import fingerprint
 from ..store.base import MISS
@@ -95,6 +95,8 @@ class L3Tier:
         keys = [key for key, _ in victims]
         try:
             handle = self.backend.cpu_to_store(namespace, keys, [block for _, block in victims])
+        except RefusedError:        # the deployment is being cleared or resharded, not the store failing:
+            return                  # these victims go unwritten, and the store stays in use
         except (TransferError, ValueError) as exc:
             self._l3_failed(f"write-back: {exc}")
             return
@@ -133,7 +135,8 @@ class L3Tier:
             try:
                 handle = self.backend.cpu_to_store(namespace, keys, [e[BLOCK] for _, e in pinned])
             except (TransferError, ValueError) as exc:
-                self._l3_failed(f"write-through: {exc}")
+                if not isinstance(exc, RefusedError):       # a refusal says nothing about the store
+                    self._l3_failed(f"write-through: {exc}")
                 self._unpin_all(pinned)
                 continue
             finally:
