@@ -2,7 +2,10 @@
 - engine threads over a TieredCache with a directory store below a small CPU tier, while transfer managers
   are restarted and the namespace changes; at the end every CPU block is accounted for and nothing is left
   pinned (this is the run that found the two races pinned down by tests in test_tiered_l3.py);
-- engine threads doing raw swap rounds on their own blocks while transfer managers are restarted."""
+- engine threads doing raw swap rounds on their own blocks while transfer managers are restarted;
+- engine threads storing and loading through a TieredCache and a store while the deployment reshards
+  1 -> 2 -> 4 -> 2 -> 1 over and over (the run that found write-backs refused by a reshard setting the
+  store aside)."""
 from __future__ import annotations
 
 import collections
@@ -15,6 +18,7 @@ import pytest
 from conftest import all_tensors, deployment, small_spec
 from fastcache import TieredCache, TransferError
 from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
+from test_reshard import InProcessWorkers
 from test_tiered import Bytes
 
 # A task that is never answered fails these runs (result(30) raises TimeoutError). One was, once, in CI;
@@ -236,3 +240,92 @@ def test_engine_threads_swapping_while_ranks_restart_never_read_back_wrong_bytes
 
         run_threads(engine, restart, 0.7, 5.0, stop, errors)
         assert errors == [] and counts["rounds"] > 100 and counts["restarts"] >= 2, counts
+
+
+class HeadBytes:
+    """Bytes of the block named by a hash, defined per layer, K/V and KV head, so that they can be written
+    and checked at any tp: rank r of tp holds heads [r * H / tp, (r + 1) * H / tp)."""
+
+    def __init__(self, spec, pool):
+        self.spec, self.pool = spec, pool
+
+    def _block(self, h):
+        s = self.spec
+        return np.random.default_rng(h).integers(1, 256, (s.num_layers, 2, s.num_kv_heads, s.block_size, s.head_dim),
+                                                 dtype=np.uint8)
+
+    def _slices(self, h):
+        """(rank's tensors of one layer and kind, that rank's slice of the block) for every rank, layer, kind."""
+        ranks = self.pool.ranks()
+        per = self.spec.num_kv_heads // len(ranks)
+        block = self._block(h)
+        for r, w in enumerate(ranks):
+            for layer in range(self.spec.num_layers):
+                for kind, tensors in enumerate((w.key_caches, w.value_caches)):
+                    yield tensors[layer], block[layer, kind, r * per:(r + 1) * per]
+
+    def write(self, hashes, gpu):
+        for h, b in zip(hashes, gpu):
+            for tensor, want in self._slices(h):
+                tensor[b] = want
+
+    def bad(self, hashes, gpu):
+        return [b for h, b in zip(hashes, gpu) if not all(np.array_equal(t[b], want) for t, want in self._slices(h))]
+
+
+def test_engine_threads_across_reshards_never_load_wrong_bytes(tmp_path):
+    """tp 1 -> 2 -> 4 -> 2 -> 1 and again, while engine threads store and load through a TieredCache with a
+    store below (their TieredCache calls race each step; their own tensor reads and writes, the engine's
+    compute, do not). Every load is checked on every rank, and the store is never set aside."""
+    spec = small_spec(num_layers=2, num_gpu_blocks=THREADS * OWN, num_cpu_blocks=CPU_BLOCKS, num_kv_heads=4,
+                      block_size=2, head_dim=4, cache_dtype="uint8")
+    cycle = [2, 4, 2, 1]
+    with deployment(spec, tp=1, store=f"file://{tmp_path}/l3") as (backend, workers):
+        pool = InProcessWorkers(backend, workers)
+        try:
+            data = HeadBytes(spec, pool)
+            cache = TieredCache(backend, "reshard/0")
+            compute = threading.Lock()      # the engine's own use of its tensors, which a reshard rewrites
+            counts, errors = collections.Counter(), []
+            stop = threading.Event()
+
+            def engine(t):
+                rng = np.random.default_rng(t)
+                mine = list(range(t * OWN, t * OWN + PROMPT))
+                while not stop.is_set():
+                    prompt = random_prompt(rng)
+                    try:
+                        n = load_held(cache, prompt, mine)
+                        if n:
+                            with compute:
+                                bad = data.bad(prompt[:n], mine[:n])
+                            if bad:
+                                errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
+                            counts["loaded"] += n
+                        with compute:
+                            data.write(prompt[n:], mine[n:])
+                        cache.store(prompt, mine).result(30)
+                    except TransferError:       # refused while a step runs
+                        counts["refused"] += 1
+                        time.sleep(0.005)
+                    except Exception as exc:
+                        errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
+                        return
+
+            def reshard(k):
+                with compute:
+                    backend.reshard(cycle[(k - 1) % 4], live_blocks=range(THREADS * OWN), start_workers=pool.start,
+                                    stop_workers=pool.stop, timeout=60)
+                counts["reshards"] += 1
+
+            run_threads(engine, reshard, 0.3, 6.0, stop, errors)
+            assert errors == []
+            stats = cache.stats()
+            assert counts["loaded"] > 100 and counts["reshards"] >= 4 and stats["l3_loaded_blocks"] > 0, (counts, stats)
+            assert stats["l3_errors"] == 0, stats
+            time.sleep(0.5)
+            blocks = [e[BLOCK] for e in cache._index.values()] + cache._free
+            assert len(set(blocks)) == len(blocks) and max(blocks) < backend.spec.num_cpu_blocks
+            cache.close()
+        finally:
+            pool.close()
