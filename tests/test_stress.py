@@ -67,12 +67,11 @@ def run_threads(engine, controller, period, seconds, stop, errors):
         assert not thread.is_alive(), "a thread hung"
 
 
-def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
-    data = Bytes(backend.spec, workers)
-    counts, errors = collections.Counter(), []
-    stop = threading.Event()
-    write_lock = threading.Lock()
-
+def prefix_engine(cache, data, lock, stop, counts, errors):
+    """engine(t) for run_threads: requests of random prompts; what the cache holds is loaded and checked
+    (data.bad: mismatches, empty or per rank), the rest is written (data.write) and stored. `lock` guards
+    the engine's own reads and writes of its blocks. A TransferError (a restart, a namespace change, a
+    clear or a reshard in the middle) is expected; anything else ends the thread as an error."""
     def engine(t):
         rng = np.random.default_rng(t)
         mine = list(range(t * OWN, t * OWN + PROMPT))
@@ -81,20 +80,28 @@ def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
             try:
                 n = load_held(cache, prompt, mine)
                 if n:
-                    bad = data.bad(prompt[:n], mine[:n])
+                    with lock:
+                        bad = data.bad(prompt[:n], mine[:n])
                     if any(bad):
                         errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
                     counts["loaded"] += n
-                with write_lock:
+                with lock:
                     data.write(prompt[n:], mine[n:])
                 cache.store(prompt, mine).result(30)
                 counts["stored"] += 1
-            except TransferError:       # a restart or a namespace change in the middle: expected
+            except TransferError:
                 counts["refused"] += 1
                 time.sleep(0.005)
             except Exception as exc:
                 errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
                 return
+    return engine
+
+
+def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
+    counts, errors = collections.Counter(), []
+    stop = threading.Event()
+    engine = prefix_engine(cache, Bytes(backend.spec, workers), threading.Lock(), stop, counts, errors)
 
     rng = np.random.default_rng(99)
 
@@ -254,23 +261,28 @@ class HeadBytes:
         return np.random.default_rng(h).integers(1, 256, (s.num_layers, 2, s.num_kv_heads, s.block_size, s.head_dim),
                                                  dtype=np.uint8)
 
-    def _slices(self, h):
-        """(rank's tensors of one layer and kind, that rank's slice of the block) for every rank, layer, kind."""
-        ranks = self.pool.ranks()
+    def _slices(self, h, rank, ranks):
+        """(rank's tensor of one layer and kind, the rank's slice of the block) for every layer and kind."""
         per = self.spec.num_kv_heads // len(ranks)
         block = self._block(h)
-        for r, w in enumerate(ranks):
-            for layer in range(self.spec.num_layers):
-                for kind, tensors in enumerate((w.key_caches, w.value_caches)):
-                    yield tensors[layer], block[layer, kind, r * per:(r + 1) * per]
+        w = ranks[rank]
+        for layer in range(self.spec.num_layers):
+            for kind, tensors in enumerate((w.key_caches, w.value_caches)):
+                yield tensors[layer], block[layer, kind, rank * per:(rank + 1) * per]
 
     def write(self, hashes, gpu):
+        ranks = self.pool.ranks()
         for h, b in zip(hashes, gpu):
-            for tensor, want in self._slices(h):
-                tensor[b] = want
+            for r in range(len(ranks)):
+                for tensor, want in self._slices(h, r, ranks):
+                    tensor[b] = want
 
     def bad(self, hashes, gpu):
-        return [b for h, b in zip(hashes, gpu) if not all(np.array_equal(t[b], want) for t, want in self._slices(h))]
+        """Per rank, the blocks that do not hold their hash's slice."""
+        ranks = self.pool.ranks()
+        return [[b for h, b in zip(hashes, gpu)
+                 if not all(np.array_equal(t[b], want) for t, want in self._slices(h, r, ranks))]
+                for r in range(len(ranks))]
 
 
 def test_engine_threads_across_reshards_never_load_wrong_bytes(tmp_path):
@@ -288,29 +300,7 @@ def test_engine_threads_across_reshards_never_load_wrong_bytes(tmp_path):
             compute = threading.Lock()      # the engine's own use of its tensors, which a reshard rewrites
             counts, errors = collections.Counter(), []
             stop = threading.Event()
-
-            def engine(t):
-                rng = np.random.default_rng(t)
-                mine = list(range(t * OWN, t * OWN + PROMPT))
-                while not stop.is_set():
-                    prompt = random_prompt(rng)
-                    try:
-                        n = load_held(cache, prompt, mine)
-                        if n:
-                            with compute:
-                                bad = data.bad(prompt[:n], mine[:n])
-                            if bad:
-                                errors.append(f"thread {t}: blocks {bad} of {prompt[:n]} hold wrong bytes")
-                            counts["loaded"] += n
-                        with compute:
-                            data.write(prompt[n:], mine[n:])
-                        cache.store(prompt, mine).result(30)
-                    except TransferError:       # refused while a step runs
-                        counts["refused"] += 1
-                        time.sleep(0.005)
-                    except Exception as exc:
-                        errors.append(f"thread {t}: {type(exc).__name__}: {exc}")
-                        return
+            engine = prefix_engine(cache, data, compute, stop, counts, errors)
 
             def reshard(k):
                 with compute:
