@@ -169,6 +169,17 @@ def test_other_namespace_rank_or_geometry_misses(store):
         assert not store.get(other, hashes, np.array([2, 3])).any()
 
 
+def test_a_tier_without_room_for_the_headers_is_refused(tmp_path, tier):
+    s = open_store(f"file://{tmp_path}/l3")
+    for bad in (np.ascontiguousarray(tier),                                # no slots
+                np.zeros((4, SPEC.cpu_block_stride), np.uint16),          # not bytes
+                np.zeros((4, 2 * SPEC.cpu_block_stride), np.uint8)[:, ::2]):   # not contiguous
+        with pytest.raises(ValueError, match="room for a 64-byte header"):
+            s.attach(bad, SPEC.cpu_block_bytes)
+        assert s.tier is None
+    s.close()
+
+
 def _object_path(root, k, h):
     found = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f == f"{h:016x}.r{k.rank}"]
     assert len(found) == 1, found

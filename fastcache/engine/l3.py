@@ -76,7 +76,7 @@ class StoreTasks:
             raise TransferError("the backend is not running")
         if self.signals.status != NORMAL:
             raise RefusedError(f"store task refused: kv_cache_status is "
-                                f"{STATUS_NAMES.get(self.signals.status, self.signals.status)}")
+                               f"{STATUS_NAMES.get(self.signals.status, self.signals.status)}")
         self._raise_if_failed()
         if not self._all_ready():
             raise RefusedError(f"store task refused: deployment not ready ({self._readiness()}); call wait_ready()")

@@ -22,7 +22,6 @@ from .keys import HEADER_BYTES, ObjectKeys
 class FileStore(BlockStore):
     def __init__(self, url: str, root: str):
         self.url, self.root = url, root
-        self.detach()
         self._objects = os.path.join(root, "objects")
         self._tmp = os.path.join(root, "tmp")
         try:

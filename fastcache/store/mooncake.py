@@ -55,7 +55,6 @@ class MooncakeStore(BlockStore):
     def __init__(self, url: str, master: str, protocol: str = "tcp", devices: str = "",
                  local_hostname: str = "127.0.0.1", segment_bytes: int = 0, batch_bytes: int = 256 << 20):
         self.url, self.master, self.batch_bytes = url, master, batch_bytes
-        self.blocks = self.tier = self.headers = None
         self._registered = None         # address of the registered CPU tier
         _environment(protocol, local_hostname)
         try:
