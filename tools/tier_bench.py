@@ -10,16 +10,21 @@
   is of new hashes into a full cache, so it evicts as many entries as it places (the dearest case).
   At 64 blocks and at 24 (the conversation trace's mean request).
 - the cache's own work warm: the same calls back to back over a stub backend whose swaps cost nothing,
-  and the same stub-backed calls timed right after a real swap (the state the real calls meet).
+  and the same stub-backed calls timed right after a real swap (the state the real calls meet). Beside
+  them, both ways, a reference workload with no fastcache code in it (an OrderedDict churn of as many
+  entries as a store places): how much slower this machine runs any Python right after a swap, and
+  right after a 4 ms sleep (no copy anywhere).
 - sim random ids: one 512-block task of 32 KiB rows over 16 tensors (8 layers, K and V) at random GPU and
   CPU ids, against one memcpy of the same bytes in the same run (best of 5 each way).
 Every figure comes from a real deployment (engine, in-process workers, transfer-manager processes).
 """
 import argparse
+import itertools
 import json
 import statistics
 import sys
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -143,6 +148,21 @@ class StubBackend:
     swap_in = swap_out
 
 
+class Reference:
+    """Python work of a store's shape and no fastcache code: `size` entries inserted into an OrderedDict of
+    4 * size and as many evicted. Its slowdown after a swap is the machine's, whatever the cache does."""
+
+    def __init__(self, size):
+        self.size, self.keys = size, itertools.count()
+        self.index = OrderedDict((k, [k, 0, 0, 0]) for k in itertools.islice(self.keys, 4 * size))
+
+    def __call__(self):
+        index = self.index
+        for key in itertools.islice(self.keys, self.size):
+            index[key] = [key, 0, 0, 0]
+            index.popitem(last=False)
+
+
 def warm_costs(size):
     backend = StubBackend(size)
     cache = TieredCache(backend, "bench")
@@ -152,14 +172,23 @@ def warm_costs(size):
     store = min(per_call(lambda: cache.store(next(prompts), src), 500) for _ in range(5)) - bare
     held = [(5 * 500 - 1) * size + i for i in range(size)]
     load = min(per_call(lambda: cache.load(held, dst), 500) for _ in range(5)) - bare
-    return {"blocks": size, "store_us": store * 1e6, "load_us": load * 1e6, "evicted": cache.stats()["evicted"]}
+    reference = Reference(size)
+    warm = min(per_call(reference, 500) for _ in range(5))
+    after_sleep = []                    # no copy anywhere: the machine left alone for a moment
+    for _ in range(200):
+        time.sleep(0.004)
+        t0 = time.perf_counter()
+        reference()
+        after_sleep.append(time.perf_counter() - t0)
+    return {"blocks": size, "store_us": store * 1e6, "load_us": load * 1e6, "reference_us": warm * 1e6,
+            "reference_after_sleep_us": statistics.median(after_sleep) * 1e6, "evicted": cache.stats()["evicted"]}
 
 
 def after_swap_costs(backend, src, raw, size, samples):
     """The cache's own work (a stub-backed cache, no swap inside) timed right after each of a run of real
-    swaps completes: the same code as the warm figure, in the state the real store/load calls meet (the
-    sim's copy has just run through this machine's caches). With the warm figure it splits what a store
-    adds into the cache's work and the state of the machine."""
+    swaps completes: the same code as the warm figure, in the state the real store/load calls meet; and the
+    Reference work timed the same way. With the warm figures it splits what a store adds into the cache's
+    work and the state of the machine."""
     stub = StubBackend(size)
     cache = TieredCache(stub, "after-swap")
     gpu = list(range(size))
@@ -167,15 +196,20 @@ def after_swap_costs(backend, src, raw, size, samples):
     for _ in range(5):
         cache.store(next(prompts), gpu)             # full: each timed store evicts as many as it places
     held = [(5 - 1) * size + i for i in range(size)]
-    times = {"store": [], "load": []}
+    times = {"store": [], "load": [], "reference": []}
+    reference = Reference(size)
     for _ in range(samples):
-        for name, call in (("store", lambda: cache.store(next(prompts), gpu)), ("load", lambda: cache.load(held, gpu))):
+        for name, call in (("store", lambda: cache.store(next(prompts), gpu)), ("load", lambda: cache.load(held, gpu)),
+                           ("reference", reference)):
             backend.swap_out(src, raw).result(30)
             t0 = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t0)
-    bare = per_call(lambda: stub.swap_out(gpu, gpu), 1000)
-    return {f"{k}_own_after_swap_us": (statistics.median(v) - bare) * 1e6 for k, v in times.items()}
+    bare = per_call(lambda: stub.swap_out(gpu, gpu), 1000)       # the stub's swap, inside store and load
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"store_own_after_swap_us": (median["store"] - bare) * 1e6,
+            "load_own_after_swap_us": (median["load"] - bare) * 1e6,
+            "reference_after_swap_us": median["reference"] * 1e6}
 
 
 def sim_random_ids(rng):
@@ -213,7 +247,12 @@ def main(argv=None):
         print(f"  the cache's own work, warm (stub backend): store {w['store_us']:.1f} us (placing {t['blocks']} new "
               f"hashes, evicting as many), load {w['load_us']:.1f} us")
         print(f"  the same work right after a real swap: store {t['store_own_after_swap_us']:.1f} us, "
-              f"load {t['load_own_after_swap_us']:.1f} us")
+              f"load {t['load_own_after_swap_us']:.1f} us "
+              f"(x{t['store_own_after_swap_us'] / w['store_us']:.1f} and x{t['load_own_after_swap_us'] / w['load_us']:.1f})")
+        print(f"  reference work, no fastcache code: {w['reference_us']:.1f} us warm, "
+              f"{t['reference_after_swap_us']:.1f} us right after a real swap "
+              f"(x{t['reference_after_swap_us'] / w['reference_us']:.1f}: this machine's slowdown), "
+              f"{w['reference_after_sleep_us']:.1f} us after a 4 ms sleep (x{w['reference_after_sleep_us'] / w['reference_us']:.1f})")
         for op, swap in (("store", "swap_out"), ("load", "swap_in")):
             print(f"  {op} adds {t[f'{op}_adds_call_us']:.1f} us to the submitting call (whole call "
                   f"{t[f'{op}_call_us']:.1f}, a bare {swap} {t[f'{swap}_call_us']:.1f}), "
