@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   tools/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch]     (default: all, in that order)
+#   tools/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier]     (default: all, in that order)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
 #   probe   the CUDA C++ ceiling probe tools/swapbench.cu (a copy of shared/reference/swapbench.cu)
 #   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
 #   launch  python -m fastcache.launch on the cuda device
+#   tier    tools/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
@@ -74,12 +75,16 @@ run_bench() {
     timeout 480 python3 -m fastcache.tools.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 }
 
+run_tier() {
+    timeout 300 python3 tools/tier_bench.py --device cuda --tp 1 --json "$OUT/tier.json" 2>&1 | tee "$OUT/tier.log"
+}
+
 run_launch() {
     timeout 240 python3 -m fastcache.launch --device cuda 2>&1 | tee "$OUT/launch.log"
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch)
+[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier)
 status=0
 log_env
 for step in "${steps[@]}"; do
@@ -89,7 +94,8 @@ for step in "${steps[@]}"; do
         probe) run_probe || status=1 ;;
         bench) run_bench || status=1 ;;
         launch) run_launch || status=1 ;;
-        *) echo "unknown step $step (expected env, tests, probe, bench, launch)" >&2; status=2 ;;
+        tier) run_tier || status=1 ;;
+        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier)" >&2; status=2 ;;
     esac
 done
 exit $status

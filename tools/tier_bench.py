@@ -1,6 +1,6 @@
 """What the tiered cache costs on this machine, and how fast the sim device swaps at random ids.
 
-    python tools/tier_bench.py [--tp 2] [--samples 400] [--json out.json]
+    python tools/tier_bench.py [--tp 2] [--samples 400] [--json out.json] [--device cuda [--device-id 0]]
 
 - lookup: one TieredCache.lookup of a prompt whose blocks are all held (the engine's cost), best of 5
   loops of 2,000 calls.
@@ -16,7 +16,8 @@
   right after a 4 ms sleep (no copy anywhere).
 - sim random ids: one 512-block task of 32 KiB rows over 16 tensors (8 layers, K and V) at random GPU and
   CPU ids, against one memcpy of the same bytes in the same run (best of 5 each way).
-Every figure comes from a real deployment (engine, in-process workers, transfer-manager processes).
+Every figure comes from a real deployment (engine, in-process workers, transfer-manager processes), on the
+sim device or, with --device cuda, on one GPU (every rank on --device-id; the sim figure is then skipped).
 """
 import argparse
 import itertools
@@ -37,9 +38,11 @@ PROMPT = 64            # the lookup target's prompt; store/load are measured at 
 TYPICAL = 24           # the conversation trace's mean request (288,500 blocks / 12,031 requests)
 
 
-def deployment(spec, tp):
-    backend = SwapBackend(spec, tp_size=tp, device="sim").start()
-    workers = [CacheWorker(spec, rank=r, tp_size=tp, device="sim", suffix=backend.suffix).start()
+def deployment(spec, tp, device="sim", device_id=0):
+    on_gpu = device == "cuda"
+    backend = SwapBackend(spec, tp_size=tp, device=device, device_ids=[device_id] * tp if on_gpu else None).start()
+    workers = [CacheWorker(spec, rank=r, tp_size=tp, device=device, suffix=backend.suffix,
+                           framework="torch" if on_gpu else "numpy", device_id=backend.device_ids[r]).start()
                for r in range(tp)]
     backend.wait_ready(timeout=60)
     return backend, workers
@@ -58,10 +61,10 @@ def per_call(fn, n):
     return (time.perf_counter() - t0) / n
 
 
-def tier_costs(tp, samples, rng, size):
+def tier_costs(tp, samples, rng, size, device="sim", device_id=0):
     spec = CacheSpec(num_layers=8, num_gpu_blocks=512, num_cpu_blocks=512, block_size=16, num_kv_heads=4,
                      head_dim=64)                      # the launcher's geometry: 128 KiB per block and rank
-    backend, workers = deployment(spec, tp)
+    backend, workers = deployment(spec, tp, device, device_id)
     try:
         raw = rng.permutation(backend.allocate_cpu_blocks(size)).tolist()   # scattered, like the cache's
         cache = TieredCache(backend, "bench", capacity=4 * size)      # full after 3 rounds: stores evict
@@ -237,11 +240,16 @@ def main(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--samples", type=int, default=400)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--device", choices=("sim", "cuda"), default="sim")
+    p.add_argument("--device-id", type=int, default=0, help="the GPU every rank uses with --device cuda")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    report = {"tier": [tier_costs(args.tp, args.samples, rng, size) for size in (PROMPT, TYPICAL)],
-              "warm": [warm_costs(size) for size in (PROMPT, TYPICAL)], "sim_random_ids": sim_random_ids(rng)}
-    s = report["sim_random_ids"]
+    report = {"device": args.device,
+              "tier": [tier_costs(args.tp, args.samples, rng, size, args.device, args.device_id)
+                       for size in (PROMPT, TYPICAL)],
+              "warm": [warm_costs(size) for size in (PROMPT, TYPICAL)]}
+    if args.device == "sim":
+        report["sim_random_ids"] = sim_random_ids(rng)
     for t, w in zip(report["tier"], report["warm"]):
         print(f"{t['blocks']}-block prompt: lookup {t['lookup_us']:.1f} us")
         print(f"  the cache's own work, warm (stub backend): store {w['store_us']:.1f} us (placing {t['blocks']} new "
@@ -258,7 +266,8 @@ def main(argv=None):
                   f"{t[f'{op}_call_us']:.1f}, a bare {swap} {t[f'{swap}_call_us']:.1f}), "
                   f"{t[f'{op}_adds_done_us']:.1f} us submit-to-done "
                   f"({t[f'{op}_done_us']:.0f} vs {t[f'{swap}_done_us']:.0f})")
-    for kind in ("out", "in"):
+    s = report.get("sim_random_ids", {})
+    for kind in ("out", "in") if s else ():
         print(f"sim swap-{kind}, {s['task_mib']:.0f} MiB at random ids: {s[f'swap_{kind}_gbps']:.2f} GB/s, "
               f"{s[f'swap_{kind}_vs_memcpy']:.2f} x memcpy ({s[f'memcpy_{kind}_gbps']:.2f} GB/s)")
     if args.json:

@@ -176,7 +176,8 @@ class TieredCache(L3Tier):
                 raise
         finally:
             self._end()
-        handle.add_done_callback(lambda h: self._write_through(h, batch))     # before _stored: see tiered_l3
+        if self.write == "through":     # before _stored: see tiered_l3
+            handle.add_done_callback(lambda h: self._write_through(h, batch))
         handle.add_done_callback(lambda h: self._stored(h, batch))
         return handle
 
