@@ -103,8 +103,9 @@ class L3Tier:
         handle.add_done_callback(lambda h: self._l3_written(h, len(keys)))
 
     def _write_through(self, handle, batch):
-        """Swap-out callback (runs before the entries become visible): pin them and queue their put."""
-        if self.write != "through" or batch is None or handle.error is not None:
+        """Swap-out callback of a write-through cache (runs before the entries become visible): pin them
+        and queue their put."""
+        if handle.error is not None:
             return
         new, _, entries, _ = batch
         with self._lock:
