@@ -25,7 +25,7 @@ from .config import CACHE_DTYPES, CacheSpec, Settings
 from .engine import SwapBackend, TieredCache
 from .ipc.naming import PREFIX
 from .ipc.shm import SHM_DIR
-from .ops import get_ops, resolve_device
+from .ops import get_ops, resolve_device, round_robin_devices
 from .ops.frameworks import FRAMEWORKS
 from .store import StoreError, parse_store_url
 from .store.service import store_for_run
@@ -496,7 +496,9 @@ def main(argv=None) -> int:
             if store:
                 report["store"] = store
                 print(f"  store {store}", flush=True)
-            backend = SwapBackend(spec, tp_size=args.tp, device=device, settings=settings, store=store)
+            # on a machine with fewer GPUs than ranks, ranks share them (a one-GPU machine runs tp=2 on GPU 0)
+            backend = SwapBackend(spec, tp_size=args.tp, device=device, settings=settings, store=store,
+                                  device_ids=round_robin_devices(device, args.tp))
         except (ValueError, StoreError) as exc:
             print(f"fastcache.launch: {exc}", file=sys.stderr)
             return 2

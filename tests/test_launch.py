@@ -74,3 +74,21 @@ def test_a_worker_that_dies_before_ready_fails_the_wait_at_once():
         with pytest.raises(RuntimeError, match="worker rank 0 .* exited with status 3 before"):
             wait_until_ready(backend, [dead], timeout=60)
         assert time.monotonic() - t0 < 5
+
+
+def test_ranks_share_the_gpus_round_robin_when_there_are_fewer_than_tp():
+    from fastcache.ops import round_robin_devices
+    assert round_robin_devices("cuda", 2, count=1) == [0, 0]          # a one-GPU machine runs tp=2
+    assert round_robin_devices("cuda", 4, count=2) == [0, 1, 0, 1]
+    assert round_robin_devices("cuda", 2, count=8) == [0, 1]          # enough GPUs: rank r on GPU r
+    assert round_robin_devices("sim", 2, count=1) is None            # the backend's default
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        round_robin_devices("cuda", 2, count=0)
+
+
+def test_launch_on_cuda_without_a_gpu_is_a_clear_error():
+    from fastcache.ops import cuda_usable
+    if cuda_usable():
+        pytest.skip("a GPU is visible: the GPU suite runs the launcher on it")
+    run = launch("--device", "cuda")
+    assert run.returncode == 2 and "no CUDA GPU is visible" in run.stderr and "Traceback" not in run.stderr
