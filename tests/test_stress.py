@@ -5,7 +5,9 @@
 - engine threads doing raw swap rounds on their own blocks while transfer managers are restarted;
 - engine threads storing and loading through a TieredCache and a store while the deployment reshards
   1 -> 2 -> 4 -> 2 -> 1 over and over (the run that found write-backs refused by a reshard setting the
-  store aside)."""
+  store aside);
+- engine threads on two TieredCaches, one of which is closed and made anew every 0.3 s, beside raw
+  preemption swaps: no wrong bytes, and every CPU block free at the end."""
 from __future__ import annotations
 
 import collections
@@ -67,15 +69,17 @@ def run_threads(engine, controller, period, seconds, stop, errors):
         assert not thread.is_alive(), "a thread hung"
 
 
-def prefix_engine(cache, data, lock, stop, counts, errors):
-    """engine(t) for run_threads: requests of random prompts; what the cache holds is loaded and checked
-    (data.bad: mismatches, empty or per rank), the rest is written (data.write) and stored. `lock` guards
-    the engine's own reads and writes of its blocks. A TransferError (a restart, a namespace change, a
-    clear or a reshard in the middle) is expected; anything else ends the thread as an error."""
+def prefix_engine(caches, data, lock, stop, counts, errors):
+    """engine(t) for run_threads: requests of random prompts to caches[t % len(caches)] (read per request:
+    a controller may replace it); what the cache holds is loaded and checked (data.bad: mismatches, empty or
+    per rank), the rest is written (data.write) and stored. `lock` guards the engine's own reads and writes
+    of its blocks. A TransferError (a restart, a namespace change, a clear, a reshard or a close in the
+    middle) is expected; anything else ends the thread as an error."""
     def engine(t):
         rng = np.random.default_rng(t)
         mine = list(range(t * OWN, t * OWN + PROMPT))
         while not stop.is_set():
+            cache = caches[t % len(caches)]
             prompt = random_prompt(rng)
             try:
                 n = load_held(cache, prompt, mine)
@@ -101,7 +105,7 @@ def prefix_engine(cache, data, lock, stop, counts, errors):
 def run(backend, workers, cache, seconds, restart_ranks, change_namespace):
     counts, errors = collections.Counter(), []
     stop = threading.Event()
-    engine = prefix_engine(cache, Bytes(backend.spec, workers), threading.Lock(), stop, counts, errors)
+    engine = prefix_engine([cache], Bytes(backend.spec, workers), threading.Lock(), stop, counts, errors)
 
     rng = np.random.default_rng(99)
 
@@ -203,6 +207,72 @@ def test_engine_threads_across_clears_restores_and_restarts_never_load_bytes_of_
         cache.close()
 
 
+def test_caches_closed_and_made_anew_under_traffic_never_serve_wrong_bytes_and_give_every_block_back():
+    """Two TieredCaches on one backend (quotas of 12 CPU blocks) and raw preemption swaps beside them; every
+    0.3 s a controller closes one cache while its stores and loads are in flight and makes a new one (a new
+    quota, once the old one's blocks in flight are back). No load serves wrong bytes, no thread hangs, and
+    once everything is closed every CPU block is free."""
+    spec = small_spec(num_gpu_blocks=THREADS * OWN, num_cpu_blocks=40)
+    with deployment(spec, tp=2) as (backend, workers):
+        data, lock = Bytes(spec, workers), threading.Lock()
+        caches = [TieredCache(backend, "a/0", capacity=12), TieredCache(backend, "b/0", capacity=12)]
+        counts, errors = collections.Counter(), []
+        stop = threading.Event()
+        prefix = prefix_engine(caches, data, lock, stop, counts, errors)
+
+        def raw_swaps(gpu):
+            """Preemption: swap random bytes out and back through raw CPU blocks, checking them."""
+            rng = np.random.default_rng(1)
+            while not stop.is_set():
+                try:
+                    cpu = backend.allocate_cpu_blocks(len(gpu))
+                except ValueError:          # the quotas and swaps in flight hold every block
+                    time.sleep(0.002)
+                    continue
+                try:
+                    hashes = [int(x) for x in rng.integers(1, 2**62, len(gpu))]
+                    with lock:
+                        data.write(hashes, gpu)
+                    backend.swap_out(gpu, cpu).result(30)
+                    with lock:
+                        data.write([h ^ 1 for h in hashes], gpu)
+                    backend.swap_in(gpu, cpu).result(30)
+                    with lock:
+                        bad = data.bad(hashes, gpu)
+                    if any(bad):
+                        errors.append(f"raw swaps: blocks {bad} came back wrong")
+                    counts["raw"] += 1
+                except Exception as exc:
+                    errors.append(f"raw swaps: {type(exc).__name__}: {exc}")
+                    return
+                finally:
+                    backend.free_cpu_blocks(cpu)
+
+        def engine(t):      # thread 0 swaps raw blocks (its own GPU blocks), the others reuse prefixes
+            return raw_swaps(list(range(PROMPT))) if t == 0 else prefix(t)
+
+        def remake(k):
+            caches[k % 2].close()
+            for _ in range(400):
+                try:
+                    caches[k % 2] = TieredCache(backend, f"{'ab'[k % 2]}/{k}", capacity=12)
+                    counts["remade"] += 1
+                    return
+                except ValueError:          # the closed cache's blocks in flight are not back yet
+                    time.sleep(0.005)
+            errors.append("the closed cache's blocks never came back")
+
+        run_threads(engine, remake, 0.3, 5.0, stop, errors)
+        assert errors == []
+        assert counts["remade"] >= 8 and counts["loaded"] > 100 and counts["raw"] > 20, counts
+        for cache in caches:
+            cache.close()
+        deadline = time.monotonic() + 5
+        while backend.allocator.num_free < spec.num_cpu_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.allocator.num_free == spec.num_cpu_blocks
+
+
 def test_engine_threads_swapping_while_ranks_restart_never_read_back_wrong_bytes():
     spec = small_spec(num_gpu_blocks=THREADS * OWN, num_cpu_blocks=THREADS * OWN)
     counts, errors = collections.Counter(), []
@@ -300,7 +370,7 @@ def test_engine_threads_across_reshards_never_load_wrong_bytes(tmp_path):
             compute = threading.Lock()      # the engine's own use of its tensors, which a reshard rewrites
             counts, errors = collections.Counter(), []
             stop = threading.Event()
-            engine = prefix_engine(cache, data, compute, stop, counts, errors)
+            engine = prefix_engine([cache], data, compute, stop, counts, errors)
 
             def reshard(k):
                 with compute:
