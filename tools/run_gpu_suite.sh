@@ -8,7 +8,7 @@
 #   launch  python -m fastcache.launch on the cuda device
 #   tier    tools/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
-# per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch`).
+# per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
 # device image) travel as wheels in .whl/ (git-ignored) and are installed into /tmp/site.
 set -uo pipefail

@@ -266,10 +266,11 @@ def main(argv=None):
                   f"{t[f'{op}_call_us']:.1f}, a bare {swap} {t[f'{swap}_call_us']:.1f}), "
                   f"{t[f'{op}_adds_done_us']:.1f} us submit-to-done "
                   f"({t[f'{op}_done_us']:.0f} vs {t[f'{swap}_done_us']:.0f})")
-    s = report.get("sim_random_ids", {})
-    for kind in ("out", "in") if s else ():
-        print(f"sim swap-{kind}, {s['task_mib']:.0f} MiB at random ids: {s[f'swap_{kind}_gbps']:.2f} GB/s, "
-              f"{s[f'swap_{kind}_vs_memcpy']:.2f} x memcpy ({s[f'memcpy_{kind}_gbps']:.2f} GB/s)")
+    if "sim_random_ids" in report:
+        s = report["sim_random_ids"]
+        for kind in ("out", "in"):
+            print(f"sim swap-{kind}, {s['task_mib']:.0f} MiB at random ids: {s[f'swap_{kind}_gbps']:.2f} GB/s, "
+                  f"{s[f'swap_{kind}_vs_memcpy']:.2f} x memcpy ({s[f'memcpy_{kind}_gbps']:.2f} GB/s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
