@@ -165,9 +165,9 @@ class TieredCache(L3Tier):
             self._write_back(taken)     # L3: before the swap-out that reuses the evicted blocks
             if batch is None:
                 return TransferHandle.completed(protocol.SWAP_TO_CPU)
-            new, new_gpu, entries, _ = batch
+            new, new_gpu, blocks, entries, _ = batch
             try:
-                handle = self.backend.swap_out(new_gpu, list(map(_block, entries)))
+                handle = self.backend.swap_out(new_gpu, blocks)
             except BaseException:
                 with self._lock:
                     for key, entry in zip(new, entries):
@@ -273,7 +273,8 @@ class TieredCache(L3Tier):
 
     def _place(self, keys, gpu):
         """Entries for the new hashes of a store, evicting as needed, and the call's hashes refreshed.
-        Returns (new hashes, their GPU ids, their entries, drop count) or None when nothing is new.
+        Returns (new hashes, their GPU ids, their CPU blocks, their entries, drop count) or None when
+        nothing is new.
         Written with C-level builtins (filterfalse, map, deque): per hash, this is the cost of a store."""
         if len(set(keys)) != len(keys):             # a hash listed twice: its first GPU block wins
             where = dict(zip(reversed(keys), reversed(gpu)))
@@ -300,7 +301,7 @@ class TieredCache(L3Tier):
             deque(map(index.move_to_end, reversed(keys)), maxlen=0)     # the first hash ends most recent
         if not new:
             return None
-        return new, new_gpu, entries, self._drops
+        return new, new_gpu, blocks, entries, self._drops
 
     def _take_blocks(self, n, protect):
         """n CPU blocks (fewer if there are not): free ones first, then least recently used entries that
@@ -341,7 +342,7 @@ class TieredCache(L3Tier):
 
     def _stored(self, handle, batch):
         """Completion of a store (runs before its result() returns)."""
-        new, _, entries, drops = batch
+        new, _, _, entries, drops = batch
         with self._lock:
             ok = handle.error is None
             if ok and drops == self._drops:          # nothing was dropped meanwhile: all still indexed

@@ -107,7 +107,7 @@ class L3Tier:
         and queue their put."""
         if handle.error is not None:
             return
-        new, _, entries, _ = batch
+        new, _, _, entries, _ = batch
         with self._lock:
             if not self._l3_usable():
                 return
