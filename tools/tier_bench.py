@@ -256,12 +256,15 @@ def main(argv=None):
               f"hashes, evicting as many), load {w['load_us']:.1f} us")
         print(f"  the same work right after a real swap: store {t['store_own_after_swap_us']:.1f} us, "
               f"load {t['load_own_after_swap_us']:.1f} us "
-              f"(x{t['store_own_after_swap_us'] / w['store_us']:.1f} and x{t['load_own_after_swap_us'] / w['load_us']:.1f})")
-        print(f"  reference work, no fastcache code: {w['reference_us']:.1f} us warm (the store x"
-              f"{w['store_us'] / w['reference_us']:.1f} of it, the load x{w['load_us'] / w['reference_us']:.1f}), "
+              f"(x{t['store_own_after_swap_us'] / w['store_us']:.1f} "
+              f"and x{t['load_own_after_swap_us'] / w['load_us']:.1f})")
+        print(f"  reference work, no fastcache code: {w['reference_us']:.1f} us warm "
+              f"(the store x{w['store_us'] / w['reference_us']:.1f} of it, "
+              f"the load x{w['load_us'] / w['reference_us']:.1f}), "
               f"{t['reference_after_swap_us']:.1f} us right after a real swap "
               f"(x{t['reference_after_swap_us'] / w['reference_us']:.1f}: this machine's slowdown), "
-              f"{w['reference_after_sleep_us']:.1f} us after a 4 ms sleep (x{w['reference_after_sleep_us'] / w['reference_us']:.1f})")
+              f"{w['reference_after_sleep_us']:.1f} us after a 4 ms sleep "
+              f"(x{w['reference_after_sleep_us'] / w['reference_us']:.1f})")
         for op, swap in (("store", "swap_out"), ("load", "swap_in")):
             print(f"  {op} adds {t[f'{op}_adds_call_us']:.1f} us to the submitting call (whole call "
                   f"{t[f'{op}_call_us']:.1f}, a bare {swap} {t[f'{swap}_call_us']:.1f}), "

@@ -306,7 +306,8 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
         with ShmSampler(backend.suffix) as sampler:
             t0 = time.perf_counter()
             new, block_map = backend.reshard(tp, live_blocks=sorted(model.gpu), start_workers=workers.start,
-                                             stop_workers=workers.stop, timeout=300, device_ids=round_robin_devices(backend.device, tp))
+                                             stop_workers=workers.stop, timeout=300,
+                                             device_ids=round_robin_devices(backend.device, tp))
             seconds = time.perf_counter() - t0
         r = backend.last_reshard
         model.remap(block_map, r["cpu_block_map"])
