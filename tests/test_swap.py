@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 from fastcache import SwapBackend, TransferError
+from fastcache.ipc import protocol
 
-from conftest import all_tensors, deployment, randomize, small_spec
+from conftest import all_tensors, cpu_image, deployment, randomize, small_spec
 
 LAYOUTS = {
     "bf16_kv": dict(cache_dtype="bfloat16"),
@@ -160,6 +161,30 @@ def test_duplicate_destination_ids_are_refused():
         with pytest.raises(ValueError, match="duplicate destination gpu"):
             backend.swap_in([4, 4], [1, 2])
         backend.swap_out([4, 4], [1, 2]).result(timeout=10)  # one source to two destinations is fine
+
+
+@pytest.mark.parametrize("kind,gpu,cpu,message", [
+    (protocol.SWAP_TO_CPU, [1, 2], [3, 16], "cpu block id 16 out of range"),
+    (protocol.SWAP_TO_GPU, [24, 2], [3, 4], "gpu block id 24 out of range"),
+    (protocol.SWAP_TO_CPU, [1, 2], [5, 5], "duplicate destination cpu"),
+    (protocol.SWAP_TO_GPU, [7, 7], [1, 2], "duplicate destination gpu")])
+def test_a_swap_that_skips_the_engines_check_is_still_refused_by_every_transfer_manager(kind, gpu, cpu, message):
+    """TieredCache's swaps skip the engine-side id check (it checked them itself); the transfer managers'
+    check is what stands behind that: a bad task fails on every rank and moves nothing."""
+    rng = np.random.default_rng(sum(gpu) * 31 + sum(cpu))
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        for r in range(2):
+            backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
+        before = [backend.cpu_tier(r).copy() for r in range(2)] + [t.copy() for w in workers for t in all_tensors(w)]
+        handle = backend._swap_checked(kind, gpu, cpu)
+        with pytest.raises(TransferError, match=f"rank 0: {message}.*rank 1: {message}"):
+            handle.result(timeout=10)
+        after = [backend.cpu_tier(r) for r in range(2)] + [t for w in workers for t in all_tensors(w)]
+        assert all(np.array_equal(a, b) for a, b in zip(after, before))
+        backend._swap_checked(protocol.SWAP_TO_CPU, [1], [1]).result(timeout=10)     # the deployment works on
+        assert np.array_equal(backend.cpu_tier(1)[1], cpu_image(workers[1], [1])[0])
 
 
 def test_swap_before_ready_is_refused_with_a_reason():

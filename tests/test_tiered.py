@@ -12,7 +12,6 @@ import pytest
 from fastcache import CacheSpec, TieredCache, TransferError, TransferHandle
 from fastcache.engine.allocator import CpuBlockAllocator
 from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
-from fastcache.ipc import protocol
 from fastcache.ipc.signal import CLEARING, NORMAL
 from fastcache.tools.hashbytes import HashBytes, mismatched, write_blocks
 
@@ -71,18 +70,12 @@ class FakeBackend:
         self.tasks = []             # (handle, gpu ids, cpu ids)
         self.auto = False           # complete every task at once
 
-    def _submit(self, kind, gpu, cpu):
+    def _swap_checked(self, kind, gpu, cpu):
         handle = TransferHandle(len(self.tasks) + 1, kind, [0, 1], 100 * len(gpu))
         self.tasks.append((handle, list(gpu), list(cpu)))
         if self.auto:
             finish(handle)
         return handle
-
-    def swap_out(self, gpu, cpu):
-        return self._submit(protocol.SWAP_TO_CPU, gpu, cpu)
-
-    def swap_in(self, gpu, cpu):
-        return self._submit(protocol.SWAP_TO_GPU, gpu, cpu)
 
     def clear(self):
         self.allocator.reset()

@@ -202,7 +202,16 @@ class SwapBackend(StoreTasks, ReshardPhase):
         return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids)
 
     def _submit(self, kind, gpu_block_ids, cpu_block_ids) -> TransferHandle:
-        gpu_ids, cpu_ids = self._validate(kind, gpu_block_ids, cpu_block_ids)
+        return self._submit_ids(kind, *self._validate(kind, gpu_block_ids, cpu_block_ids))
+
+    def _swap_checked(self, kind, gpu_ids: list[int], cpu_ids: list[int]) -> TransferHandle:
+        """A swap of ids the caller has already checked as _validate does. TieredCache checks each request
+        before it touches its index and names only CPU blocks it owns, so its swaps skip a second check
+        (each transfer manager still checks every task it receives)."""
+        wire = _wire_dtype(self.spec)
+        return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
+
+    def _submit_ids(self, kind, gpu_ids, cpu_ids) -> TransferHandle:
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         status = self.signals.status
@@ -228,7 +237,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         if not 0 < len(gpu_ids) <= protocol.MAX_IDS:
             raise ValueError(f"a swap moves 1..{protocol.MAX_IDS} blocks, got {len(gpu_ids)}")
         protocol.check_ids(gpu_ids, cpu_ids, kind, self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
-        wire = np.int32 if max(self.spec.num_gpu_blocks, self.spec.num_cpu_blocks) < 2**31 else np.int64
+        wire = _wire_dtype(self.spec)
         return gpu_ids.astype(wire), cpu_ids.astype(wire)
 
     def cpu_tier(self, rank: int) -> np.ndarray:
@@ -583,6 +592,11 @@ class SwapBackend(StoreTasks, ReshardPhase):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _wire_dtype(spec):
+    """The id dtype a task travels in: int32 unless a block count needs more."""
+    return np.int32 if max(spec.num_gpu_blocks, spec.num_cpu_blocks) < 2**31 else np.int64
 
 
 def _as_ids(ids, label) -> np.ndarray:

@@ -167,7 +167,7 @@ class TieredCache(L3Tier):
                 return TransferHandle.completed(protocol.SWAP_TO_CPU)
             new, new_gpu, blocks, entries, _ = batch
             try:
-                handle = self.backend.swap_out(new_gpu, blocks)
+                handle = self.backend._swap_checked(protocol.SWAP_TO_CPU, new_gpu, blocks)
             except BaseException:
                 with self._lock:
                     for key, entry in zip(new, entries):
@@ -206,7 +206,7 @@ class TieredCache(L3Tier):
             batch = (keys, entries, self._drops)
             self._busy += 1
         try:
-            handle = self.backend.swap_in(gpu, list(map(_block, entries)))
+            handle = self.backend._swap_checked(protocol.SWAP_TO_GPU, gpu, list(map(_block, entries)))
         except BaseException:
             with self._lock:
                 for key, entry in zip(keys, entries):

@@ -256,7 +256,7 @@ class L3Tier:
             self._l3_undo(batch)
             raise
         try:
-            swap = self.backend.swap_in(gpu, [e[BLOCK] for e in entries])
+            swap = self.backend._swap_checked(protocol.SWAP_TO_GPU, gpu, [e[BLOCK] for e in entries])
         except BaseException:
             fetched.add_done_callback(lambda _: self._l3_undo(batch))     # not before the fetch is over
             raise
