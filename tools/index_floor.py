@@ -8,8 +8,8 @@ evicts as many least recently used slots, and inserts. No validation, no handle,
 Three calls are timed in turn: this floor, TieredCache.store over a stub backend whose swaps cost nothing
 (the cache's own work), and the Reference of tier_bench (an OrderedDict churn, no fastcache code). Each call
 is timed two ways: right after an untimed call of its own (its code and data warm), and right after a real
-sim swap of a tp=2 deployment completes (the state a store meets in an engine). If the floor is no faster than the cache right after a swap, a faster index in
-Python would not make a store add less to the swap here.
+sim swap of a tp=2 deployment completes (the state a store meets in an engine). What the floor saves against
+the cache right after a swap bounds what any index written in Python could save there.
 
     python tools/index_floor.py [--blocks 64] [--samples 300]
 """
@@ -46,7 +46,7 @@ class FloorIndex:
             slots = np.array(self.free[len(self.free) - n:])
             del self.free[len(self.free) - n:]
         else:
-            window = np.arange(self.head, self.head + 2 * n)       # enough when nothing is pinned
+            window = np.arange(self.head, self.head + 2 * n)   # enough here: no touch goes stale, nothing is pinned
             ring = self.ring[window]
             usable = (self.last[ring] == window) & (self.state[ring] == READY) & (self.pins[ring] == 0)
             picked = np.flatnonzero(usable)[:n]
