@@ -20,6 +20,20 @@ SCALE_DTYPES = ("float32", "bfloat16", "float16")
 CPU_SLOT_BYTES_PER_HEAD = 64
 
 
+MAX_NAMESPACE_CHARS = 256
+
+
+def check_namespace(namespace) -> str:
+    """A namespace names a model and weight version; it goes into keys and paths, so it is kept printable."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
+    if len(namespace) > MAX_NAMESPACE_CHARS:
+        raise ValueError(f"namespace has {len(namespace)} characters, at most {MAX_NAMESPACE_CHARS} allowed")
+    if not namespace.isprintable():
+        raise ValueError(f"namespace {namespace!r} holds non-printable characters")
+    return namespace
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One exported tensor of a rank: a stack of `num_blocks` contiguous rows of `block_bytes`."""

@@ -42,6 +42,8 @@ def test_summary_is_median_and_spread():
 pytest.importorskip("cuda.bindings.runtime")
 from test_cuda_logic import fake_cuda  # noqa: E402,F401  (the fixture)
 import fastcache.ops.cuda as cuda_ops  # noqa: E402
+import fastcache.ops.cuda_copiers as copiers  # noqa: E402
+import fastcache.ops.cuda_swap_space as swap_space  # noqa: E402
 from fastcache.ipc.naming import new_suffix, segment_name  # noqa: E402
 from fastcache.ipc.shm import SharedSegment  # noqa: E402
 from cuda.bindings import runtime  # noqa: E402
@@ -62,7 +64,7 @@ def fake_rig(fake_cuda):
     rig = bench.Rig.__new__(bench.Rig)
     rig.spec, rig.device_id = spec, 0
     rig.view = cuda_ops.DeviceTensors(spec.tensors(), [a.ctypes.data for a in arrays], 0)
-    rig.swap = cuda_ops.CudaSwapSpace(segment, spec, 0)
+    rig.swap = swap_space.CudaSwapSpace(segment, spec, 0)
     rig.swap.rows[...] = rng.integers(1, 256, rig.swap.rows.shape, dtype=np.uint8)
     gpu, cpu = rng.permutation(40), rng.permutation(20)
     rig.out_ids, rig.in_ids = (gpu[:10], cpu[:10]), (gpu[10:20], cpu[10:])
@@ -72,7 +74,7 @@ def fake_rig(fake_cuda):
     rig.swap.close()
 
 
-@pytest.mark.parametrize("method", cuda_ops.METHODS)
+@pytest.mark.parametrize("method", copiers.METHODS)
 def test_every_method_run_is_verified(fake_rig, method):
     fig = bench.bench_method(method, fake_rig, gemm=None)
     assert fig["wrong_tensors"] == {"out": [], "in": []}, fig
@@ -81,7 +83,7 @@ def test_every_method_run_is_verified(fake_rig, method):
 
 def test_a_method_that_skips_rows_fails_the_byte_check(fake_rig, monkeypatch):
     """The check must be able to fail: a copier that drops the last tensor leaves the poison there."""
-    real = cuda_ops.MemcpyCopier._rows
+    real = copiers.MemcpyCopier._rows
 
     def rows_but_the_last_tensor(self, gpu_ids, cpu_ids, to_host):
         infos, self.infos = self.infos, self.infos[:-1]
@@ -89,7 +91,7 @@ def test_a_method_that_skips_rows_fails_the_byte_check(fake_rig, monkeypatch):
             return real(self, gpu_ids, cpu_ids, to_host)
         finally:
             self.infos = infos
-    monkeypatch.setattr(cuda_ops.MemcpyCopier, "_rows", rows_but_the_last_tensor)
+    monkeypatch.setattr(copiers.MemcpyCopier, "_rows", rows_but_the_last_tensor)
     fig = bench.bench_method("memcpy", fake_rig, gemm=None)
     last = fake_rig.spec.tensors()[-1].name
     assert fig["wrong_tensors"]["out"] == [last] and fig["wrong_tensors"]["in"] == [last]

@@ -8,7 +8,7 @@ import pytest
 
 from fastcache import RefusedError, SwapBackend, TransferError
 from fastcache.ipc.signal import CLEARED, CLEARING, NORMAL
-from fastcache.launch import shm_bytes, start_workers, stop_workers
+from fastcache.launch.harness import shm_bytes, start_workers, stop_workers
 
 from conftest import all_tensors, deployment, randomize, round_trip, small_spec
 

@@ -14,6 +14,8 @@ import pytest
 pytest.importorskip("cuda.bindings.runtime")
 
 import fastcache.ops.cuda as cuda_ops  # noqa: E402
+import fastcache.ops.cuda_copiers as copiers  # noqa: E402
+import fastcache.ops.cuda_swap_space as swap_space  # noqa: E402
 import fastcache.ops.cuda_kernels as kernels  # noqa: E402
 from cuda.bindings import runtime  # noqa: E402
 from fastcache.ipc.naming import new_suffix, segment_name  # noqa: E402
@@ -136,10 +138,10 @@ FAKE = None     # the fixture's runtime, for fake_launch's call log
 def fake_cuda(monkeypatch):
     global FAKE
     fake = FAKE = FakeRuntime()
-    for module in (cuda_ops, kernels):
+    for module in (cuda_ops, copiers, swap_space, kernels):
         monkeypatch.setattr(module, "runtime", fake)
         monkeypatch.setattr(module, "set_device", lambda device_id: None)
-    monkeypatch.setattr(cuda_ops, "device_attribute", lambda device_id, name: 2)
+    monkeypatch.setattr(copiers, "device_attribute", lambda device_id, name: 2)
     monkeypatch.setattr(kernels, "row_kernel", lambda device_id: "copy_rows")
     monkeypatch.setattr(kernels, "launch_rows", fake_launch)
     return fake
@@ -155,7 +157,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("method,layout,staging_mb", [
-    (m, layout, mb) for m, layout, mb in itertools.product(cuda_ops.METHODS, LAYOUTS, (32, 0.001))
+    (m, layout, mb) for m, layout, mb in itertools.product(copiers.METHODS, LAYOUTS, (32, 0.001))
     if m == "staged" or mb == 32])          # a tiny staging buffer makes the ring wrap many times
 def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layout, staging_mb):
     monkeypatch.setenv("FASTCACHE_STAGING_MB", str(staging_mb))
@@ -171,8 +173,8 @@ def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layo
     cache = cuda_ops.DeviceTensors(infos, [rows.ctypes.data for rows in gpu], 0)
     suffix = new_suffix()
     segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
-    swap = cuda_ops.CudaSwapSpace(segment, spec, 0, chunk_bytes=8192)
-    copier = cuda_ops.make_copier(method, cache, swap, spec)
+    swap = swap_space.CudaSwapSpace(segment, spec, 0, chunk_bytes=8192)
+    copier = copiers.make_copier(method, cache, swap, spec)
     try:
         swap.blocks[...] = rng.integers(1, 256, swap.blocks.shape, dtype=np.uint8)     # blocks and their slots
         # runs of consecutive CPU blocks and scattered ones
@@ -232,8 +234,8 @@ def fake_copier(spec, method="staged", seed=0, **swap_kwargs):
     cache = cuda_ops.DeviceTensors(spec.tensors(), [rows.ctypes.data for rows in gpu], 0)
     suffix = new_suffix()
     segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
-    swap = cuda_ops.CudaSwapSpace(segment, spec, 0, **swap_kwargs)
-    copier = cuda_ops.make_copier(method, cache, swap, spec)
+    swap = swap_space.CudaSwapSpace(segment, spec, 0, **swap_kwargs)
+    copier = copiers.make_copier(method, cache, swap, spec)
     try:
         swap.wait_pinned()
         yield gpu, swap, copier
@@ -254,15 +256,15 @@ def test_copier_refuses_ids_that_would_fault_the_kernel(fake_cuda):
 def test_dma_runs_merge_consecutive_blocks_and_stop_at_partial_ones_and_chunk_edges():
     ids = [4, 5, 6, 9, 10, 2]
     full = [100] * 6
-    assert cuda_ops.dma_runs(ids, full, 100) == [[0, 4, 300], [3, 9, 200], [5, 2, 100]]
+    assert copiers.dma_runs(ids, full, 100) == [[0, 4, 300], [3, 9, 200], [5, 2, 100]]
     partial = [100, 60, 100, 100, 100, 100]      # block 5 lacks draft-layer rows
-    assert cuda_ops.dma_runs(ids, partial, 100) == [[0, 4, 160], [2, 6, 100], [3, 9, 200], [5, 2, 100]]
+    assert copiers.dma_runs(ids, partial, 100) == [[0, 4, 160], [2, 6, 100], [3, 9, 200], [5, 2, 100]]
     # pinned chunks of 5 blocks: block 5 and block 10 each start a chunk, so a run must stop before them
-    assert cuda_ops.dma_runs(ids, full, 100, chunk_blocks=5) == [[0, 4, 100], [1, 5, 200], [3, 9, 100],
+    assert copiers.dma_runs(ids, full, 100, chunk_blocks=5) == [[0, 4, 100], [1, 5, 200], [3, 9, 100],
                                                                   [4, 10, 100], [5, 2, 100]]
 
 
-@pytest.mark.parametrize("method", cuda_ops.METHODS)
+@pytest.mark.parametrize("method", copiers.METHODS)
 def test_no_copy_spans_two_pinned_chunks(fake_cuda, monkeypatch, method):
     """The tier starts on a page and is registered in chunks of whole pages and whole CPU blocks; a run of
     consecutive CPU blocks across a chunk edge becomes two copies (one copy, one registration)."""
@@ -295,7 +297,7 @@ def test_a_small_staged_task_takes_one_stream_and_no_events(fake_cuda):
         assert fake_cuda.calls == ["memcpy", "launch", "sync"]          # CPU blocks 3, 4: one run
         assert all(np.array_equal(rows[9], rows[7]) for rows in gpu)
         fake_cuda.calls.clear()
-        many = np.arange(cuda_ops.SMALL_TASK_IDS + 1) % 30
+        many = np.arange(copiers.SMALL_TASK_IDS + 1) % 30
         copier.swap_out(np.arange(len(many)) % 40, many)                 # too many ids: the ring path
         assert "event" in fake_cuda.calls
 

@@ -11,16 +11,17 @@ import pytest
 
 pytest.importorskip("cuda.bindings.runtime")
 
+import fastcache.ops.cuda_ipc as cuda_ipc  # noqa: E402
 import fastcache.ops.cuda_reshard as cr  # noqa: E402
 from conftest import MemoryJournal  # noqa: E402
 from cuda.bindings import runtime  # noqa: E402
 from fastcache.config import CacheSpec  # noqa: E402
-from fastcache.engine.reshard import Capacity, Plan, run_chunks  # noqa: E402
+from fastcache.reshard_plan import Capacity, Plan, run_chunks  # noqa: E402
 from fastcache.errors import TransferError  # noqa: E402
 from fastcache.ipc.naming import (manifest_name, new_suffix, reshard_exports_name, reshard_staging_name,  # noqa: E402
                                   swap_space_name)
 from fastcache.ipc.shm import SharedSegment  # noqa: E402
-from fastcache.worker.reshard import write_json_segment  # noqa: E402
+from fastcache.ipc.manifest import write_json_segment  # noqa: E402
 
 OK = runtime.cudaError_t.cudaSuccess
 
@@ -108,9 +109,10 @@ class FakeDriver:
 @pytest.fixture
 def fake(monkeypatch):
     rt = FakeRuntime()
-    monkeypatch.setattr(cr, "runtime", rt)
-    monkeypatch.setattr(cr, "driver", FakeDriver(rt))
-    monkeypatch.setattr(cr, "set_device", lambda device_id: None)
+    for module in (cr, cuda_ipc):
+        monkeypatch.setattr(module, "runtime", rt)
+        monkeypatch.setattr(module, "set_device", lambda device_id: None)
+    monkeypatch.setattr(cuda_ipc, "driver", FakeDriver(rt))
     return rt
 
 
@@ -331,12 +333,11 @@ def test_a_framework_that_copies_instead_of_viewing_is_refused():
 
 
 def test_the_staging_buffer_is_exported_by_ipc_handle_and_offset(fake, monkeypatch):
-    import fastcache.ops.cuda as cuda_ops
     arena = fake.allocate(1 << 16)
-    monkeypatch.setattr(cuda_ops, "_empty", lambda framework, shape, dtype, device_id:
+    monkeypatch.setattr(cr, "empty_device", lambda framework, shape, dtype, device_id:
                         FakeTorch(arena[4096:4096 + shape[0]]))
-    monkeypatch.setattr(cuda_ops, "_free_cached", lambda framework: None)
-    staging = cr.allocate_staging(None, "x", 0, 1000, "torch", 0)
+    monkeypatch.setattr(cr, "free_cached", lambda framework: None)
+    staging = cr.CudaStaging("torch", 1000, 0)
     assert staging.descriptor == {"device": "cuda", "device_id": 0, "nbytes": 1000,
                                   "handle": fake.handle_of(arena.ctypes.data), "offset": 4096,
                                   "alloc_bytes": 1 << 16}

@@ -26,7 +26,9 @@ from fastcache.worker import CacheWorker
 from fastcache.ipc.heartbeat import process_alive
 from fastcache.ipc.naming import PREFIX
 from fastcache.ipc.shm import SHM_DIR
-from fastcache.launch import Checks, Verifier, random_swap_round, start_workers, stop_workers
+from fastcache.launch.harness import start_workers, stop_workers
+from fastcache.launch.verify import Checks, Verifier
+from fastcache.launch.workload import random_swap_round
 from fastcache.ipc.leftovers import find_stale
 
 from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec, wait_for
@@ -309,7 +311,7 @@ def test_injected_copy_failure_fails_only_that_task_and_the_deployment_keeps_wor
 ENGINE = r"""
 import json, os, sys, time
 from fastcache import CacheSpec, SwapBackend
-from fastcache.launch import start_workers
+from fastcache.launch.harness import start_workers
 
 spec = CacheSpec.from_json(sys.argv[1])
 backend = SwapBackend(spec, tp_size=2, device="sim").start()

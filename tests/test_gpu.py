@@ -79,7 +79,8 @@ class Rig:
     """A cache allocated in this process, its pointer view, and a pinned CPU tier, all filled at random."""
 
     def __init__(self, spec, seed=0, pin_chunk_bytes=None):
-        from fastcache.ops.cuda import CudaOps, CudaSwapSpace
+        from fastcache.ops.cuda import CudaOps
+        from fastcache.ops.cuda_swap_space import CudaSwapSpace
 
         self.spec, self.rng = spec, np.random.default_rng(seed)
         self.ops = CudaOps()

@@ -12,7 +12,7 @@ import pytest
 
 from fastcache import SwapBackend
 from fastcache.config import CacheSpec
-from fastcache.launch import Checks
+from fastcache.launch.verify import Checks
 from fastcache.ops import cuda_usable
 
 GPU = cuda_usable()
@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_ranks_sharing_one_gpu_reshard_1_2_4_2_1_bit_for_bit():
-    from fastcache.tools.liquid import WorkerProcesses, liquid
+    from fastcache.launch.harness import WorkerProcesses
+    from fastcache.launch.liquid import liquid
     spec = CacheSpec(num_layers=4, num_gpu_blocks=256, num_cpu_blocks=64, block_size=16, num_kv_heads=8, head_dim=128)
     rng = np.random.default_rng(1)
     with SwapBackend(spec, tp_size=1, device="cuda", device_ids=[0]) as backend:
@@ -55,7 +56,7 @@ def test_the_reshard_copy_rate_against_a_device_to_device_memcpy():
     """A big cache, every block live: GB/s of the moves (the transfer managers' wall time, messaging included)
     over one cudaMemcpyAsync D2D of the same bytes."""
     from fastcache.ops.cuda_reshard import d2d_rate
-    from fastcache.tools.liquid import WorkerProcesses
+    from fastcache.launch.harness import WorkerProcesses
     spec = CacheSpec(num_layers=16, num_gpu_blocks=2048, num_cpu_blocks=16, block_size=16, num_kv_heads=8,
                      head_dim=128)      # 2 GiB of cache
     with SwapBackend(spec, tp_size=1, device="cuda", device_ids=[0]) as backend:

@@ -64,7 +64,7 @@ def test_a_worker_that_dies_before_ready_fails_the_wait_at_once():
     import time
 
     from fastcache import SwapBackend
-    from fastcache.launch import wait_until_ready
+    from fastcache.launch.harness import wait_until_ready
 
     from conftest import small_spec
     with SwapBackend(small_spec(), tp_size=1, device="sim") as backend:

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastcache import TieredCache, TransferError, metrics
-from fastcache.tools.hashbytes import HashBytes
+from fastcache.launch.verify import HashBytes
 
 from conftest import deployment, small_spec
 

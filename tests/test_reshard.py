@@ -13,11 +13,12 @@ import pytest
 
 from fastcache import RefusedError, SwapBackend, TieredCache, TransferError
 from fastcache.config import CacheSpec
-from fastcache.engine.reshard import (MAX_STAGING_BYTES, Capacity, Plan, compact_map, least, numpy_copy,
-                                      resharded_spec, run_chunks)
+from fastcache.ops.host_memory import numpy_copy
+from fastcache.reshard_plan import MAX_STAGING_BYTES, Capacity, Plan, compact_map, least, resharded_spec, run_chunks
 from fastcache.ipc.signal import NORMAL, RESHARDING
-from fastcache.launch import Checks
-from fastcache.tools.liquid import BlockModel, ShmSampler, WorkerProcesses, liquid, shm_now
+from fastcache.launch.verify import Checks
+from fastcache.launch.harness import WorkerProcesses
+from fastcache.launch.liquid import BlockModel, ShmSampler, liquid, shm_now
 from fastcache.transfer.reshard import TEST_PACE
 from fastcache.worker import CacheWorker
 
@@ -398,24 +399,15 @@ def test_a_failure_before_any_rank_overwrote_old_rows_leaves_the_old_layout_in_s
         real = pool.workers[0]._reshard.poll
 
         def no_memory():
-            from fastcache.worker import reshard as wr
-            original = wr.device_helpers
+            ops = pool.workers[0].ops
 
-            def failing(device):
-                helpers = original(device)
-
-                class Failing:
-                    reshape = helpers.reshape
-
-                    @staticmethod
-                    def allocate_staging(*args):
-                        raise MemoryError("no memory for the staging buffer")
-                return Failing
-            wr.device_helpers = failing
+            def failing(*args):
+                raise MemoryError("no memory for the staging buffer")
+            ops.reshard_staging = failing
             try:
                 real()
             finally:
-                wr.device_helpers = original
+                del ops.reshard_staging
         pool.workers[0]._reshard.poll = no_memory
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="worker rank 0 reported a failure"):

@@ -13,7 +13,7 @@ from fastcache import CacheSpec, TieredCache, TransferError, TransferHandle
 from fastcache.engine.allocator import CpuBlockAllocator
 from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
 from fastcache.ipc.signal import CLEARING, NORMAL
-from fastcache.tools.hashbytes import HashBytes, mismatched, write_blocks
+from fastcache.launch.verify import HashBytes, mismatched, write_blocks
 
 from conftest import all_tensors, cpu_image, deployment, randomize, small_spec
 

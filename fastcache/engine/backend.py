@@ -25,6 +25,7 @@ import zmq
 from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
+from ..ipc.protocol import EXIT_REASONS
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.queue import bind_replies, bind_tasks, identity_rank, make_socket_dir, remove_socket_dir
@@ -33,7 +34,6 @@ from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, Depl
 from ..ops import resolve_device
 from ..ipc.leftovers import remove_dead
 from ..metrics import SwapCounters
-from ..transfer import EXIT_REASONS
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .handle import TransferHandle

@@ -37,8 +37,9 @@ from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
 from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name
 from ..ipc.shm import SHM_DIR, SharedSegment
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
-from ..worker.reshard import ABORT, COMMIT, MOVE, PREPARE, write_json_segment
-from .reshard import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
+from ..ipc.manifest import write_json_segment
+from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
+from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
 
 log = logging.getLogger("fastcache.engine")
 

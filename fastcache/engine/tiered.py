@@ -37,6 +37,7 @@ from operator import itemgetter
 import numpy as np
 
 from .. import metrics
+from ..config import check_namespace
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
@@ -60,7 +61,7 @@ class TieredCache(L3Tier):
     docstring; with a backend that has a store, tiered_l3 adds the store below the CPU tier."""
 
     def __init__(self, backend, namespace: str, capacity: int | None = None, write: str = "back"):
-        _check_namespace(namespace)
+        check_namespace(namespace)
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
         self.backend = backend
@@ -98,7 +99,7 @@ class TieredCache(L3Tier):
 
     @namespace.setter
     def namespace(self, name: str):
-        _check_namespace(name)
+        check_namespace(name)
         with self._lock:
             self._sync()
             if self._closed:
@@ -446,11 +447,6 @@ class TieredCache(L3Tier):
         if status != NORMAL:
             return f"kv_cache_status is {STATUS_NAMES.get(status, status)}"
         return None
-
-
-def _check_namespace(name):
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"namespace must be a non-empty str, got {name!r}")
 
 
 def _as_gpu_ids(ids, bound) -> list[int]:

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from ..store.keys import check_namespace
+from ..config import check_namespace
 
 SWAP_TO_CPU, SWAP_TO_GPU = "SWAP_TO_CPU", "SWAP_TO_GPU"
 TASK_KINDS = (SWAP_TO_CPU, SWAP_TO_GPU)
@@ -40,6 +40,12 @@ SCHEMAS = {
 }
 PHASES = ("attach", "clear", "restore", "reshard_prepare", "reshard_move", "reshard_commit", "reshard_abort")
 RESHARD_STEPS = ("prepare", "move", "commit", "abort")
+# reshard steps as the engine posts them in the reshard_state signal (workers follow them)
+PREPARE, MOVE, COMMIT, ABORT = 1, 2, 3, 4
+STAGE_NAMES = {PREPARE: "prepare", MOVE: "move", COMMIT: "commit", ABORT: "abort"}
+# a transfer manager's exit codes when it stops on its own, and why (the engine names the reason)
+EXIT_WORKER_GONE, EXIT_ENGINE_GONE = 3, 4
+EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited"}
 RESHARD_FRAMES = 4      # GPU ids old and new, CPU ids old and new (int64)
 
 

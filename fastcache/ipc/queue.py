@@ -20,7 +20,7 @@ import tempfile
 import zmq
 
 from .naming import PREFIX
-from .shm import _OWN_START
+from .shm import OWN_START
 
 OWNER_FILE = "owner.json"
 
@@ -30,7 +30,7 @@ def make_socket_dir(suffix: str) -> str:
     path = tempfile.mkdtemp(prefix=f"{PREFIX}.{suffix}.")
     os.chmod(path, 0o700)
     with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump({"pid": os.getpid(), "start": _OWN_START, "suffix": suffix}, f)
+        json.dump({"pid": os.getpid(), "start": OWN_START, "suffix": suffix}, f)
     return path
 
 

@@ -30,7 +30,7 @@ def process_start_time(pid: int) -> float:
         return 0.0
 
 
-_OWN_START = process_start_time(os.getpid())
+OWN_START = process_start_time(os.getpid())
 
 
 def creator_alive(pid: int, start_time: float) -> bool:
@@ -64,7 +64,7 @@ class SharedSegment:
             raise SegmentError(f"shared-memory segment {name} already exists (a stale deployment? "
                                f"run python -m fastcache.tools.cleanup)") from None
         buf = mmap.mmap(shm.fd, HEADER_BYTES)
-        buf[:HEADER.size] = HEADER.pack(MAGIC, os.getpid(), _OWN_START, size, suffix.encode()[:32])
+        buf[:HEADER.size] = HEADER.pack(MAGIC, os.getpid(), OWN_START, size, suffix.encode()[:32])
         buf.close()
         return cls(name, shm, owner=True)
 

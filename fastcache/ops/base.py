@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..config import CacheSpec, TensorInfo
+from ..ipc.manifest import read_manifest
 from ..ipc.shm import SharedSegment
 
 
@@ -104,6 +105,21 @@ class DeviceOps(ABC):
         """Free device memory in bytes (cudaMemGetInfo); None where the device has no memory of its own."""
         return None
 
+    # reshard (docs/design.md §9)
+    @abstractmethod
+    def reshard_staging(self, nbytes: int, suffix: str, rank: int, framework: str, device_id: int):
+        """A worker's reshard staging buffer, exported (its `descriptor`) so that it outlives a transfer
+        manager that dies mid-chunk; close() frees it."""
+
+    @abstractmethod
+    def reshape(self, cache: LocalCache, spec: CacheSpec, rank: int, device_id: int, framework: str):
+        """Re-view a worker's tensors in `spec`'s shape over the same memory (no new allocation)."""
+
+    @abstractmethod
+    def reshard_memory(self, suffix: str, plan, device_id: int):
+        """A transfer manager's view of every memory a reshard plan touches, with `execute(copy)`,
+        `flush()` and `close()`."""
+
 
 def usable_ids(ids: np.ndarray, num_blocks: int, full: int):
     """Index of the ids a tensor with `num_blocks` rows has (draft layers hold fewer blocks)."""
@@ -113,7 +129,6 @@ def usable_ids(ids: np.ndarray, num_blocks: int, full: int):
 def manifest_entry(manifests: dict, suffix: str, plan, rank: int, index: int) -> dict:
     """Entry `index` of `rank`'s export manifest (read once per rank into `manifests`), for a reshard program;
     a manifest that does not match the plan's tensors is refused."""
-    from ..transfer.manager import read_manifest
     manifest = manifests.get(rank)
     if manifest is None:
         manifest = manifests[rank] = read_manifest(suffix, rank)

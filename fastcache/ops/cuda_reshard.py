@@ -14,67 +14,41 @@ geometry on commit).
 """
 from __future__ import annotations
 
-import ctypes
 
-from cuda.bindings import driver, runtime
+from cuda.bindings import runtime
 
-from ..engine.reshard import Plan, numpy_copy
+from ..config import ELEMENT_BYTES
 from ..errors import TransferError
+from ..ipc.manifest import read_json_segment
 from ..ipc.naming import reshard_exports_name
+from ..reshard_plan import Plan
 from .base import manifest_entry
+from .cuda_ipc import OpenAllocations, check_region, export_pointer
 from .cuda_kernels import cuda_check, set_device
-from .sim_reshard import HostMemory, read_json_segment
-
-IPC_HANDLE_BYTES = 64
+from .frameworks import device_pointer, empty_device, free_cached, view_as
+from .host_memory import HostMemory, numpy_copy
 
 
 # -- worker side -----------------------------------------------------------------------------------
-def export_pointer(ptr: int, what: str) -> dict:
-    """IPC handle of the allocation holding ptr, and ptr's offset in it (caching allocators sub-allocate)."""
-    base, size = cuda_check(driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)), "cuMemGetAddressRange")
-    base = int(base)
-    handle = cuda_check(runtime.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle({what})")
-    return {"handle": ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex(), "offset": ptr - base,
-            "alloc_bytes": int(size)}
-
-
 class CudaStaging:
     """A worker's staging buffer: nbytes of the framework's device memory, exported by IPC handle."""
 
     def __init__(self, framework: str, nbytes: int, device_id: int):
-        from .cuda import _data_ptr, _empty
         self.framework, self.nbytes = framework, nbytes
         set_device(device_id)
-        self.tensor = _empty(framework, (nbytes,), "uint8", device_id)
-        ptr = _data_ptr(self.tensor)
+        self.tensor = empty_device(framework, (nbytes,), "uint8", device_id)
+        ptr = device_pointer(self.tensor)
         self.descriptor = {"device": "cuda", "device_id": device_id, "nbytes": nbytes,
                            **export_pointer(ptr, "reshard staging")}
 
     def close(self):
-        from .cuda import _free_cached
         self.tensor = None
-        _free_cached(self.framework)
-
-
-def allocate_staging(cache, suffix: str, rank: int, nbytes: int, framework: str, device_id: int):
-    return CudaStaging(framework, nbytes, device_id)
-
-
-def view_as(base, numel: int, shape: tuple):
-    """A view of base's first numel elements in shape, sharing its memory (torch, cupy, paddle)."""
-    if hasattr(base, "view") and hasattr(base, "data_ptr") and not hasattr(base, "place"):   # torch
-        out = base.view(-1)[:numel].view(shape)
-    elif hasattr(base, "ravel"):                                                             # cupy
-        out = base.ravel()[:numel].reshape(shape)
-    else:                                                                                    # paddle
-        out = base.flatten()[:numel].reshape(shape)
-    return out
+        free_cached(self.framework)
 
 
 def reshape(cache, spec, rank: int, device_id: int, framework: str):
     """Re-view a CudaLocalCache's tensors in spec's shape over the same allocations (no new memory). The
     tensors allocated first are kept as bases: every later shape is a view of them."""
-    from .cuda import _data_ptr
     infos = spec.tensors(rank, device_id)
     if len(infos) != len(cache.manifest):
         raise ValueError(f"the new spec has {len(infos)} tensors, the cache {len(cache.manifest)}")
@@ -87,28 +61,16 @@ def reshape(cache, spec, rank: int, device_id: int, framework: str):
         if info.nbytes > cache.base_bytes[i]:
             raise ValueError(f"{info.name}: {info.nbytes} bytes do not fit in its {cache.base_bytes[i]}-byte "
                              f"allocation")
-        elements = info.nbytes // _element_bytes(info.dtype)
+        elements = info.nbytes // ELEMENT_BYTES[info.dtype]
         view = view_as(bases[i], elements, info.shape)
-        if _data_ptr(view) != cache.pointers[i]:
+        if device_pointer(view) != cache.pointers[i]:
             raise TransferError(f"{framework} made a copy of {info.name} instead of a view; cannot reshard it in place")
         tensors[info.name] = view
         manifest.append({**entry, "name": info.name, "nbytes": info.nbytes})
     cache.tensors, cache.manifest, cache.infos = tensors, manifest, infos
 
 
-def _element_bytes(dtype: str) -> int:
-    from ..config import ELEMENT_BYTES
-    return ELEMENT_BYTES[dtype]
-
-
 # -- transfer-manager side -------------------------------------------------------------------------
-def open_handle(hex_handle: str) -> int:
-    handle = runtime.cudaIpcMemHandle_t()
-    ctypes.memmove(handle.getPtr(), bytes.fromhex(hex_handle), IPC_HANDLE_BYTES)
-    return int(cuda_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
-                          "cudaIpcOpenMemHandle"))
-
-
 class DeviceRegion:
     """Bytes at a device address (an opened IPC allocation plus an offset)."""
 
@@ -122,7 +84,7 @@ class CudaMemory(HostMemory):
     def __init__(self, suffix: str, plan: Plan, device_id: int):
         super().__init__(suffix, plan)
         self.device_id = device_id
-        self._bases = {}         # hex handle -> base address here (CUDA opens an allocation once per process)
+        self._allocations = OpenAllocations(device_id)
         self._manifests = {}
         set_device(device_id)
         self.stream = cuda_check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking),
@@ -130,15 +92,8 @@ class CudaMemory(HostMemory):
         self._host_copy = numpy_copy(super().resolve)
 
     def _open(self, entry: dict, nbytes: int, what: str) -> DeviceRegion:
-        handle, offset, alloc = entry.get("handle"), entry.get("offset"), entry.get("alloc_bytes")
-        if not isinstance(handle, str) or len(handle) != 2 * IPC_HANDLE_BYTES:
-            raise ValueError(f"{what}: no valid IPC handle")
-        if not all(isinstance(v, int) for v in (offset, alloc)) or offset < 0 or offset + nbytes > alloc:
-            raise ValueError(f"{what}: {nbytes} bytes at offset {offset} lie outside its {alloc}-byte allocation")
-        if handle not in self._bases:
-            set_device(self.device_id)
-            self._bases[handle] = open_handle(handle)
-        return DeviceRegion(self._bases[handle] + offset, nbytes, what)
+        check_region(entry, nbytes, what)
+        return DeviceRegion(self._allocations.address(entry), nbytes, what)
 
     def _resolve(self, ref):
         if ref[0] == "gpu":
@@ -180,9 +135,7 @@ class CudaMemory(HostMemory):
                 self.stream = None
         finally:
             self._views = {}
-            bases, self._bases = self._bases, {}
-            for base in bases.values():
-                cuda_check(runtime.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
+            self._allocations.close()
             super().close()
 
 

@@ -32,3 +32,48 @@ def wrap_host_array(array: np.ndarray, dtype: str, framework: str):
         tensor = torch.from_dlpack(array)
         return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
     raise ValueError("framework 'cupy' needs device='cuda'")
+
+
+# -- device tensors (the cuda device) --------------------------------------------------------------
+def empty_device(framework: str, shape: tuple, dtype: str, device_id: int):
+    """An uninitialised device tensor of the framework."""
+    if framework == "torch":
+        import torch
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device_id}")
+    if framework == "cupy":
+        import cupy
+        with cupy.cuda.Device(device_id):
+            return cupy.empty(shape, dtype=NUMPY_STORAGE[dtype])     # CuPy has no bfloat16: uint16 bits
+    if framework == "paddle":
+        import paddle
+        return paddle.empty(shape, dtype=dtype, device=f"gpu:{device_id}")
+    raise ValueError(f"framework {framework!r} holds host memory: it needs device='sim'")
+
+
+def device_pointer(tensor) -> int:
+    """Device address of a tensor's first element: data_ptr() (torch, paddle) or the CUDA array interface."""
+    if hasattr(tensor, "data_ptr"):
+        return int(tensor.data_ptr())
+    return int(tensor.__cuda_array_interface__["data"][0])
+
+
+def free_cached(framework: str):
+    """Hand the framework's cached blocks back to the driver, so cudaMemGetInfo sees them free."""
+    if framework == "torch":
+        import torch
+        torch.cuda.empty_cache()
+    elif framework == "cupy":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+    elif framework == "paddle":
+        import paddle
+        paddle.device.cuda.empty_cache()
+
+
+def view_as(base, numel: int, shape: tuple):
+    """A view of base's first numel elements in shape, sharing its memory (torch, cupy, paddle)."""
+    if hasattr(base, "view") and hasattr(base, "data_ptr") and not hasattr(base, "place"):   # torch
+        return base.view(-1)[:numel].view(shape)
+    if hasattr(base, "ravel"):                                                               # cupy
+        return base.ravel()[:numel].reshape(shape)
+    return base.flatten()[:numel].reshape(shape)                                             # paddle

@@ -197,3 +197,15 @@ class SimOps(DeviceOps):
 
     def copier(self, cache, swap, spec):
         return SimCopier(cache, swap, spec)
+
+    def reshard_staging(self, nbytes, suffix, rank, framework, device_id):
+        from .sim_reshard import SimStaging
+        return SimStaging(suffix, rank, nbytes)
+
+    def reshape(self, cache, spec, rank, device_id, framework):
+        from .sim_reshard import reshape
+        reshape(cache, spec, rank, device_id, framework)
+
+    def reshard_memory(self, suffix, plan, device_id):
+        from .sim_reshard import SimMemory
+        return SimMemory(suffix, plan)

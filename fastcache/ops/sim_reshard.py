@@ -9,16 +9,16 @@ plan's strided copies with NumPy. The CPU tier is host memory on every device, s
 """
 from __future__ import annotations
 
-import json
 
-import numpy as np
 
 from ..config import CacheSpec
-from ..engine.reshard import Plan, numpy_copy
-from ..ipc.naming import reshard_exports_name, reshard_staging_name, swap_space_name
+from ..ipc.manifest import read_json_segment
+from ..reshard_plan import Plan
+from ..ipc.naming import reshard_exports_name, reshard_staging_name
 from ..ipc.shm import SharedSegment
 from .base import manifest_entry
 from .frameworks import NUMPY_STORAGE, wrap_host_array
+from .host_memory import HostMemory, numpy_copy
 
 
 # -- worker side -----------------------------------------------------------------------------------
@@ -32,10 +32,6 @@ class SimStaging:
 
     def close(self):
         self.segment.close()
-
-
-def allocate_staging(cache, suffix: str, rank: int, nbytes: int, framework: str, device_id: int):
-    return SimStaging(suffix, rank, nbytes)
 
 
 def reshape(cache, spec: CacheSpec, rank: int, device_id: int, framework: str):
@@ -59,53 +55,6 @@ def reshape(cache, spec: CacheSpec, rank: int, device_id: int, framework: str):
 
 
 # -- transfer-manager side -------------------------------------------------------------------------
-def read_json_segment(name: str, suffix: str):
-    with SharedSegment.attach(name, suffix) as seg:
-        raw = bytes(seg.array(np.uint8, (seg.size,)))
-    return json.loads(raw.rstrip(b"\0"))
-
-
-class HostMemory:
-    """CPU tiers and the CPU tier's staging buffers (engine-owned shared memory), on every device."""
-
-    def __init__(self, suffix: str, plan: Plan):
-        self.suffix, self.plan = suffix, plan
-        self._segments, self._views = {}, {}
-
-    def _segment(self, name):
-        seg = self._segments.get(name)
-        if seg is None:
-            seg = self._segments[name] = SharedSegment.attach(name, self.suffix)
-        return seg
-
-    def _view(self, seg, offset, nbytes, what):
-        if offset < 0 or offset + nbytes > seg.size:
-            raise ValueError(f"{what}: {nbytes} bytes at {offset} lie outside its {seg.size}-byte segment")
-        return seg.array(np.uint8, (nbytes,), offset)
-
-    def resolve(self, ref):
-        view = self._views.get(ref)
-        if view is None:
-            view = self._views[ref] = self._resolve(ref)
-        return view
-
-    def _resolve(self, ref):
-        if ref[0] == "cpu":
-            space = self.plan.spaces[-1]
-            seg = self._segment(swap_space_name(self.suffix, ref[1]))
-            return self._view(seg, 0, self.plan.region_bytes(space, ref[1]), f"CPU tier of rank {ref[1]}")
-        if ref[0] == "staging" and ref[2] == "cpu":
-            seg = self._segment(reshard_staging_name(self.suffix, ref[1], "cpu"))
-            return self._view(seg, 0, self.plan.staging_bytes_for(ref[1], "cpu"), f"CPU staging of rank {ref[1]}")
-        raise KeyError(f"not host memory: {ref}")
-
-    def close(self):
-        self._views = {}
-        for seg in self._segments.values():
-            seg.close()
-        self._segments = {}
-
-
 class SimMemory(HostMemory):
     """Every memory a sim transfer manager's reshard program touches, and the copies over it."""
 

@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import xxhash
 
-from ..config import CacheSpec
+from ..config import CacheSpec, check_namespace
 
 FORMAT = 2                                  # bump when the object layout or the fingerprint inputs change
 MAGIC = b"FCL3OBJ%d" % FORMAT
@@ -24,20 +24,6 @@ MAGIC = b"FCL3OBJ%d" % FORMAT
 HEADER = struct.Struct("<8sIIQQQ8s16s")
 HEADER_BYTES = 64
 assert HEADER.size == HEADER_BYTES
-MAX_NAMESPACE_CHARS = 256
-
-
-def check_namespace(namespace) -> str:
-    """A namespace names a model and weight version; it goes into keys and paths, so it is kept printable."""
-    if not isinstance(namespace, str) or not namespace:
-        raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
-    if len(namespace) > MAX_NAMESPACE_CHARS:
-        raise ValueError(f"namespace has {len(namespace)} characters, at most {MAX_NAMESPACE_CHARS} allowed")
-    if not namespace.isprintable():
-        raise ValueError(f"namespace {namespace!r} holds non-printable characters")
-    return namespace
-
-
 def as_hashes(hashes, label="hashes") -> np.ndarray:
     """Block hashes as a 1-D uint64 array: any integer sequence or array; negative values are taken as
     the bits of an int64 (engines often hash into signed 64-bit ints)."""

@@ -40,7 +40,7 @@ FULL_CODES = {-200}
 BATCH_OBJECTS = 1024
 
 
-def _environment(protocol: str, local_hostname: str):
+def set_environment(protocol: str, local_hostname: str):
     """Mooncake reads these at setup; a user's own settings win."""
     if protocol == "tcp":
         os.environ.setdefault("MC_FORCE_TCP", "true")          # no RDMA device discovery for TCP
@@ -56,7 +56,7 @@ class MooncakeStore(BlockStore):
                  local_hostname: str = "127.0.0.1", segment_bytes: int = 0, batch_bytes: int = 256 << 20):
         self.url, self.master, self.batch_bytes = url, master, batch_bytes
         self._registered = None         # address of the registered CPU tier
-        _environment(protocol, local_hostname)
+        set_environment(protocol, local_hostname)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:

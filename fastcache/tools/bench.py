@@ -286,7 +286,7 @@ def bench_block_size(args, block_kib: int, framework: str, gemm) -> dict:
 
 
 def bench_method(method: str, rig: Rig, gemm) -> dict:
-    from ..ops.cuda import make_copier
+    from ..ops.cuda_copiers import make_copier
 
     try:
         copier = make_copier(method, rig.view, rig.swap, rig.spec)
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
     if not cuda_usable():
         print("bench: no usable CUDA GPU (cuda-python missing or no device); nothing to measure", file=sys.stderr)
         return 2
-    from ..ops.cuda import METHODS
+    from ..config import COPY_METHODS as METHODS
 
     args.methods = args.methods or list(METHODS)
     unknown = set(args.methods) - set(METHODS)

@@ -55,8 +55,8 @@ class RawMooncake:
 
     def __init__(self, master: str, tiers):
         from mooncake.store import MooncakeDistributedStore
-        from ..store.mooncake import _environment
-        _environment("tcp", "127.0.0.1")
+        from ..store.mooncake import set_environment
+        set_environment("tcp", "127.0.0.1")
         self.clients, self.tiers = [], tiers
         for tier in tiers:      # a view of the blocks without their slots: register the whole tier
             client = MooncakeDistributedStore()

@@ -30,8 +30,9 @@ from ..config import CACHE_DTYPES, CacheSpec
 from ..engine import SwapBackend
 from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
-from ..launch import (Checks, Verifier, random_swap_round, rl_cycles, shm_bytes, start_workers, stop_workers,
-                      wait_until_ready)
+from ..launch.harness import shm_bytes, start_workers, stop_workers, wait_until_ready
+from ..launch.verify import Checks, Verifier
+from ..launch.workload import random_swap_round, rl_cycles
 
 MIB = 2**20
 

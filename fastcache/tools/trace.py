@@ -35,8 +35,9 @@ from ..engine import SwapBackend, TieredCache
 from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
 from ..ops import get_ops, resolve_device
-from ..transfer.manager import read_manifest
-from .hashbytes import HashBytes, mismatched, write_blocks
+from ..ipc.manifest import read_manifest
+from ..launch.harness import start_workers, stop_workers, wait_until_ready
+from ..launch.verify import HashBytes, mismatched, write_blocks
 from .trace_model import Hits, infinite, load_trace, simulate
 
 BLOCK_TOKENS = 512      # the trace's blocks: hash_ids name 512-token blocks
@@ -135,7 +136,6 @@ class Engine:
 
 def replay(args, trace, spec, settings, report):
     """Run the trace through a deployment; fills report, returns the engine model."""
-    from ..launch import start_workers, stop_workers, wait_until_ready
     from .. import metrics
 
     backend = SwapBackend(spec, tp_size=args.tp, device=args.device, settings=settings, store=args.store_url)

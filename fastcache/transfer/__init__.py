@@ -1,4 +1,4 @@
 """The cache transfer manager daemon (one process per rank)."""
-from .manager import EXIT_REASONS, TransferManager
+from .manager import TransferManager
 
-__all__ = ["TransferManager", "EXIT_REASONS"]
+__all__ = ["TransferManager"]

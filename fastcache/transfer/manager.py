@@ -7,22 +7,22 @@ engine is gone. It sleeps in zmq's poll when idle.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import threading
 import time
 
-import numpy as np
 import zmq
 
 from ..config import CacheSpec, Settings
 from ..errors import TransferError
 from ..ipc import protocol
+from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
 from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
-from ..ipc.naming import manifest_name, swap_space_name
+from ..ipc.manifest import read_manifest
+from ..ipc.naming import swap_space_name
 from ..ipc.queue import connect_client
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import RESHARDING, DeploymentSignals
@@ -33,14 +33,6 @@ from .scheduler import Scheduler, Task
 
 log = logging.getLogger("fastcache.transfer")
 
-EXIT_WORKER_GONE, EXIT_ENGINE_GONE = 3, 4
-EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited"}
-
-
-def read_manifest(suffix: str, rank: int) -> list:
-    with SharedSegment.attach(manifest_name(suffix, rank), suffix) as seg:
-        raw = bytes(seg.array(np.uint8, (seg.size,)))
-    return json.loads(raw.rstrip(b"\0"))
 
 
 class TransferManager:

@@ -17,7 +17,7 @@ import os
 import time
 
 from ..config import CacheSpec
-from ..engine.reshard import Capacity, Plan, run_chunks
+from ..reshard_plan import Capacity, Plan, run_chunks
 from ..ipc import protocol
 
 log = logging.getLogger("fastcache.transfer")
@@ -127,7 +127,7 @@ class ReshardRunner:
             if m.scheduler:
                 raise ValueError("tasks are still in flight")
             self._detach_all()
-            memory = _memory(m.ops.name, m.suffix, plan, m.device_id)
+            memory = m.ops.reshard_memory(m.suffix, plan, m.device_id)
             execute, flush = _paced(memory.execute, m.rank), _paced(memory.flush, m.rank)
             copying = time.perf_counter()
             try:
@@ -168,11 +168,3 @@ def _paced(call, rank: int):
         call(*args)
         time.sleep(seconds)
     return paced
-
-
-def _memory(device: str, suffix: str, plan: Plan, device_id: int):
-    if device == "sim":
-        from ..ops.sim_reshard import SimMemory
-        return SimMemory(suffix, plan)
-    from ..ops.cuda_reshard import CudaMemory
-    return CudaMemory(suffix, plan, device_id)

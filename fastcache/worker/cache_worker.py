@@ -5,17 +5,14 @@ beats worker_heartbeat[r], and follows kv_cache_status through clear/restore on 
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 
-import numpy as np
 
 from ..config import CacheSpec, Settings
 from ..ipc.barrier import phase_barrier, worker_party
 from ..ipc.heartbeat import Heartbeat
-from ..ipc.naming import manifest_name
-from ..ipc.shm import SharedSegment
+from ..ipc.manifest import write_manifest
 from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
@@ -99,9 +96,7 @@ class CacheWorker:
         if self._manifest is not None:
             self._manifest.close()
             self._manifest = None
-        payload = json.dumps(self._cache.manifest).encode()
-        self._manifest = SharedSegment.create(manifest_name(self.suffix, self.rank), len(payload), self.suffix)
-        self._manifest.array(np.uint8, (len(payload),))[:] = np.frombuffer(payload, np.uint8)
+        self._manifest = write_manifest(self.suffix, self.rank, self._cache.manifest)
 
     def _release(self):
         if self._manifest is not None:

@@ -14,38 +14,19 @@ engine bumps the attempt after resetting the barrier):
 """
 from __future__ import annotations
 
-import json
 import logging
 
-import numpy as np
 
 from ..config import CacheSpec
+from ..ipc.manifest import read_json_segment, write_json_segment
 from ..ipc.naming import reshard_exports_name, reshard_plan_name
-from ..ipc.shm import SharedSegment
+from ..ipc.protocol import ABORT, COMMIT, PREPARE, STAGE_NAMES
 
 log = logging.getLogger("fastcache.worker")
 
-PREPARE, MOVE, COMMIT, ABORT = 1, 2, 3, 4
-STAGE_NAMES = {PREPARE: "prepare", MOVE: "move", COMMIT: "commit", ABORT: "abort"}
-
-
-def device_helpers(device: str):
-    if device == "sim":
-        from ..ops import sim_reshard
-        return sim_reshard
-    from ..ops import cuda_reshard
-    return cuda_reshard
-
-
-def write_json_segment(name: str, payload: dict, suffix: str) -> SharedSegment:
-    raw = json.dumps(payload, separators=(",", ":")).encode()
-    seg = SharedSegment.create(name, len(raw), suffix)
-    seg.array(np.uint8, (len(raw),))[:] = np.frombuffer(raw, np.uint8)
-    return seg
 
 
 def read_plan(suffix: str) -> dict:
-    from ..ops.sim_reshard import read_json_segment
     return read_json_segment(reshard_plan_name(suffix), suffix)
 
 
@@ -95,8 +76,7 @@ class ReshardFollower:
         need = int(plan["staging"][w.rank]) if kept else 0
         if need and (self.staging is None or self.staging.nbytes != need):
             self.release()
-            self.staging = device_helpers(w.ops.name).allocate_staging(
-                w._cache, w.suffix, w.rank, need, w.framework, w.device_id)
+            self.staging = w.ops.reshard_staging(need, w.suffix, w.rank, w.framework, w.device_id)
             self.exports = write_json_segment(reshard_exports_name(w.suffix, w.rank), self.staging.descriptor,
                                               w.suffix)
         w.signals.cache_ready[w.rank] = 0      # the export describes the old shape from now on
@@ -108,7 +88,7 @@ class ReshardFollower:
             raise ValueError(f"reshard plan {plan.get('seq')} is not step {seq}")
         spec, tp = CacheSpec.from_json(plan["new_spec"]), int(plan["to_tp"])
         if kept and w.spec != spec:
-            device_helpers(w.ops.name).reshape(w._cache, spec, w.rank, w.device_id, w.framework)
+            w.ops.reshape(w._cache, spec, w.rank, w.device_id, w.framework)
             w.spec = spec
             w._by_kind = {}
             for info in spec.tensors(w.rank, w.device_id):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import CacheSpec
+from .config import CacheSpec
 
 MAX_STAGING_BYTES = 256 << 20       # DESIGN §9: one staging buffer of at most 256 MiB beside each cache
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -485,44 +485,3 @@ def run_chunks(chunks, execute, journal=None, flush=lambda: None):
         flush()
         journal.set(2 * i + 2)
     flush()
-
-
-def strided(flat: np.ndarray, offset: int, pitch: int, height: int, width: int) -> np.ndarray:
-    """[height, width] uint8 view of flat bytes: row i at offset + i*pitch (bounds checked)."""
-    end = offset + (height - 1) * pitch + width
-    if offset < 0 or width < 0 or height < 1 or end > flat.size:
-        raise ValueError(f"strided copy [{offset}, {end}) outside a region of {flat.size} bytes")
-    base = flat[offset:end]
-    return np.lib.stride_tricks.as_strided(base, (height, width), (pitch, 1), writeable=True)
-
-
-def _rows_view(flat: np.ndarray, pitch: int, off: int, width: int, rows: np.ndarray) -> np.ndarray:
-    """[rows that reach the highest id, width] view of flat bytes (bounds checked)."""
-    top = int(rows.max()) if len(rows) else 0
-    end = top * pitch + off + width
-    if off < 0 or width < 0 or (len(rows) and int(rows.min()) < 0) or end > flat.size:
-        raise ValueError(f"row copy up to byte {end} outside a region of {flat.size} bytes")
-    return strided(flat, off, pitch, top + 1, width)
-
-
-def _consecutive(rows) -> bool:
-    return len(rows) == 1 or (int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool((np.diff(rows) == 1).all()))
-
-
-def numpy_copy(resolve):
-    """An `execute` for run_chunks over host memory: resolve(ref) -> flat uint8 array of that memory. One
-    run moves through strided views; scattered rows through one fancy-indexed gather (a chunk-sized
-    temporary at most)."""
-    def execute(c: Copy):
-        n = len(c.src_rows)
-        if not n:
-            return
-        if _consecutive(c.src_rows) and _consecutive(c.dst_rows):
-            s, d = int(c.src_rows[0]) * c.src_pitch + c.src_off, int(c.dst_rows[0]) * c.dst_pitch + c.dst_off
-            strided(resolve(c.dst), d, c.dst_pitch, n, c.width)[...] = strided(resolve(c.src), s, c.src_pitch, n,
-                                                                               c.width)
-            return
-        src = _rows_view(resolve(c.src), c.src_pitch, c.src_off, c.width, c.src_rows)
-        dst = _rows_view(resolve(c.dst), c.dst_pitch, c.dst_off, c.width, c.dst_rows)
-        dst[c.dst_rows] = src[c.src_rows]
-    return execute

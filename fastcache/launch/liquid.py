@@ -10,50 +10,18 @@ is more, the new ranks' included) plus the staging buffers.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 
+from ..engine import TieredCache
+from ..ipc.manifest import read_manifest
+from ..ipc.naming import PREFIX
+from ..ipc.shm import SHM_DIR
 from ..ops import get_ops, round_robin_devices
-from ..transfer.manager import read_manifest
-
-
-class WorkerProcesses:
-    """One `python -m fastcache.worker` per rank; start/stop are reshard's start_workers/stop_workers."""
-
-    def __init__(self, backend, framework: str = "numpy"):
-        self.backend, self.framework = backend, framework
-        self.procs: dict[int, subprocess.Popen] = {}
-
-    def start(self, ranks, spec=None):
-        b = self.backend
-        step = b.resharding
-        spec = spec or b.spec
-        tp = step.to_tp if step is not None else b.tp_size
-        device_ids = step.device_ids if step is not None else b.device_ids
-        for r in ranks:
-            self.procs[r] = subprocess.Popen(
-                [sys.executable, "-m", "fastcache.worker", "--rank", str(r), "--tp", str(tp), "--suffix", b.suffix,
-                 "--spec", spec.to_json(), "--engine-pid", str(os.getpid()), "--device", b.device,
-                 "--framework", self.framework, "--device-id", str(device_ids[r])], stdin=subprocess.DEVNULL)
-
-    def stop(self, ranks):
-        procs = [self.procs.pop(r) for r in ranks if r in self.procs]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def close(self):
-        self.stop(sorted(self.procs))
+from ..reshard_plan import least
+from .harness import WorkerProcesses, shm_bytes, wait_until_ready
 
 
 def full_rows(rows_per_rank):
@@ -202,7 +170,6 @@ class ShmSampler:
     """Peak of a deployment's /dev/shm bytes, sampled on a thread while a step runs."""
 
     def __init__(self, suffix, every: float = 0.002):
-        from ..launch import shm_bytes
         self._bytes, self.suffix, self.every = shm_bytes, suffix, every
         self.peak, self.samples = 0, 0
         self._stop = threading.Event()
@@ -230,7 +197,6 @@ class CacheCheck:
     the same bytes after it (their CPU blocks were resharded and renamed under the cache)."""
 
     def __init__(self, backend, model: BlockModel, capacity: int):
-        from ..engine import TieredCache
         self.model, self.rng, self.b = model, model.rng, backend
         self.generation = 0
         self.cache = TieredCache(backend, namespace=self._namespace(), capacity=capacity)
@@ -276,7 +242,6 @@ class CacheCheck:
 
 def blocks_at(backend, tp):
     """(GPU, CPU) blocks a rank holds at tp."""
-    from ..engine.reshard import least
     cap = least(backend._capacities)
     heads = backend.spec.num_kv_heads * backend.tp_size // tp
     return cap.main // heads, cap.cpu // heads
@@ -377,9 +342,6 @@ def memcpy_gbps(nbytes: int) -> float:
 
 def shm_now(backend, nominal=False):
     """The deployment's /dev/shm bytes: pages held, or (nominal) the segments' sizes."""
-    from ..ipc.naming import PREFIX
-    from ..ipc.shm import SHM_DIR
-    from ..launch import shm_bytes
     if not nominal:
         return shm_bytes(backend.suffix)
     total = 0
@@ -419,9 +381,6 @@ def run_liquid(backend, args, framework, rng, checks, report) -> int:
     """The launcher's --reshard mode: a deployment of worker processes resharded through args.reshard."""
     import json as _json
 
-    from ..ipc.naming import PREFIX
-    from ..ipc.shm import SHM_DIR
-    from ..launch import wait_until_ready
     with backend:
         suffix = backend.suffix
         workers = WorkerProcesses(backend, framework)

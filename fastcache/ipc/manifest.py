@@ -1,0 +1,31 @@
+"""JSON documents in named shared-memory segments: a worker's export manifest, a reshard plan, a rank's
+reshard exports. One writer creates the segment; readers attach, copy the bytes out and detach."""
+import json
+
+import numpy as np
+
+from .naming import manifest_name
+from .shm import SharedSegment
+
+
+def write_json_segment(name: str, payload, suffix: str) -> SharedSegment:
+    """Create segment `name` holding `payload` as compact JSON; the caller owns (closes) it."""
+    raw = json.dumps(payload, separators=(",", ":")).encode()
+    seg = SharedSegment.create(name, len(raw), suffix)
+    seg.array(np.uint8, (len(raw),))[:] = np.frombuffer(raw, np.uint8)
+    return seg
+
+
+def read_json_segment(name: str, suffix: str):
+    with SharedSegment.attach(name, suffix) as seg:
+        raw = bytes(seg.array(np.uint8, (seg.size,)))
+    return json.loads(raw.rstrip(b"\0"))
+
+
+def write_manifest(suffix: str, rank: int, manifest: list) -> SharedSegment:
+    """Publish rank `rank`'s export manifest (one entry per tensor)."""
+    return write_json_segment(manifest_name(suffix, rank), manifest, suffix)
+
+
+def read_manifest(suffix: str, rank: int) -> list:
+    return read_json_segment(manifest_name(suffix, rank), suffix)

@@ -1,0 +1,97 @@
+"""The deployment harness that the launcher, the operator tools and the tests share: worker
+processes started, awaited and stopped, and what a deployment holds in /dev/shm."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from ..ipc.naming import PREFIX
+from ..ipc.shm import SHM_DIR
+
+
+def start_workers(backend, args, framework):
+    procs = []
+    for rank in range(backend.tp_size):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "fastcache.worker", "--rank", str(rank), "--tp", str(backend.tp_size),
+             "--suffix", backend.suffix, "--spec", backend.spec.to_json(), "--engine-pid", str(os.getpid()),
+             "--device", backend.device, "--framework", framework, "--device-id", str(backend.device_ids[rank])],
+            stdin=subprocess.DEVNULL))
+    return procs
+
+
+def wait_until_ready(backend, workers, timeout):
+    """backend.wait_ready, but a worker process that dies on the way fails it at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for rank, proc in enumerate(workers):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker rank {rank} (pid {proc.pid}) exited with status {proc.returncode} "
+                                   f"before the deployment was ready (its error is above)")
+        try:
+            backend.wait_ready(timeout=0.05)
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def stop_workers(procs):
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class WorkerProcesses:
+    """One `python -m fastcache.worker` per rank; start/stop are reshard's start_workers/stop_workers."""
+
+    def __init__(self, backend, framework: str = "numpy"):
+        self.backend, self.framework = backend, framework
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self, ranks, spec=None):
+        b = self.backend
+        step = b.resharding
+        spec = spec or b.spec
+        tp = step.to_tp if step is not None else b.tp_size
+        device_ids = step.device_ids if step is not None else b.device_ids
+        for r in ranks:
+            self.procs[r] = subprocess.Popen(
+                [sys.executable, "-m", "fastcache.worker", "--rank", str(r), "--tp", str(tp), "--suffix", b.suffix,
+                 "--spec", spec.to_json(), "--engine-pid", str(os.getpid()), "--device", b.device,
+                 "--framework", self.framework, "--device-id", str(device_ids[r])], stdin=subprocess.DEVNULL)
+
+    def stop(self, ranks):
+        procs = [self.procs.pop(r) for r in ranks if r in self.procs]
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def close(self):
+        self.stop(sorted(self.procs))
+
+
+def shm_bytes(suffix: str) -> int:
+    """Bytes this deployment holds in /dev/shm (allocated blocks, not the nominal size)."""
+    total = 0
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(f"{PREFIX}.{suffix}."):
+            try:
+                total += os.stat(os.path.join(SHM_DIR, entry)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total

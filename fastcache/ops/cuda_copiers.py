@@ -1,0 +1,266 @@
+"""The cuda device's four ways to move a task's rows between device tensors and the pinned CPU tier.
+
+Copy methods (FASTCACHE_COPY_METHOD):
+  staged  (default) an NVRTC kernel gathers the rows of a chunk of blocks into a device staging buffer laid
+          out like the CPU tier, the copy engine moves it in runs of consecutive CPU blocks; two staging
+          buffers per direction so the gather of chunk i+1 overlaps the DMA of chunk i (swap-in: reverse)
+  kernel  the same kernel on mapped host memory, FASTCACHE_KERNEL_BLOCKS thread blocks (default 8)
+  batch   cudaMemcpyBatchAsync (CUDA 12.8+) of the rows, merged where adjacent on both sides
+  memcpy  one cudaMemcpyAsync per merged row: the FastDeploy baseline
+
+A copier needs only per-tensor device pointers (`cache.infos`, `cache.pointers`, `cache.device_id`), so
+the same code serves tensors attached over IPC and, in the exporting process, a worker's own tensors.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+from cuda.bindings import runtime
+
+from ..config import COPY_METHODS as METHODS, CacheSpec, Settings
+from ..errors import TransferError
+from .base import Copier
+from .cuda_kernels import Lane, RowKernel, cuda_check, device_attribute, memcpy_async, set_device
+
+STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
+SMALL_TASK_IDS = 64              # staged tasks of at most this many blocks take the one-stream path
+
+
+class _CudaCopier(Copier):
+    """What every method shares: id checks, waiting for the pinned chunks a task touches, and one lane per
+    direction (swap_out and swap_in run on two threads; each sets the device for itself). Ids reach the
+    methods as Python lists: on a one-block task NumPy's per-call overhead is most of the host time."""
+
+    def __init__(self, cache, swap, spec: CacheSpec):
+        self.device_id = cache.device_id
+        self.infos = cache.infos
+        self.pointers = list(cache.pointers)
+        self.swap = swap
+        self.spec = spec
+        self.stride = spec.cpu_block_stride     # CPU block to CPU block; whole blocks move with their slots
+        set_device(self.device_id)
+        self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
+
+    def _new_lane(self) -> Lane:
+        return Lane()
+
+    def swap_out(self, gpu_ids, cpu_ids):
+        self._swap(gpu_ids, cpu_ids, to_host=True)
+
+    def swap_in(self, gpu_ids, cpu_ids):
+        self._swap(gpu_ids, cpu_ids, to_host=False)
+
+    def _swap(self, gpu_ids, cpu_ids, to_host):
+        gpu, cpu = _id_list(gpu_ids), _id_list(cpu_ids)
+        if len(gpu) != len(cpu):
+            raise ValueError(f"{len(gpu)} gpu ids and {len(cpu)} cpu ids: they must pair up")
+        if not gpu:
+            return
+        # a stray id would make the kernel fault and poison the context: refuse it here
+        for ids, limit, what in ((gpu, self.spec.num_gpu_blocks, "gpu"), (cpu, self.spec.num_cpu_blocks, "cpu")):
+            if min(ids) < 0 or max(ids) >= limit:
+                raise ValueError(f"{what} block ids must lie in [0, {limit})")
+        self.swap.wait_pinned(max(cpu) + 1)
+        lane = self._lanes[to_host]
+        with lane.lock:
+            set_device(self.device_id)
+            self._run(lane, gpu, cpu, to_host)
+
+    def _run(self, lane: Lane, gpu: list, cpu: list, to_host: bool):
+        raise NotImplementedError
+
+    def close(self):
+        lanes, self._lanes = self._lanes, {}
+        if lanes:
+            set_device(self.device_id)
+        for lane in lanes.values():
+            lane.close()
+
+
+def _id_list(ids) -> list:
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise ValueError(f"block ids must be a vector, got shape {ids.shape}")
+        return ids.tolist()
+    return [int(i) for i in ids]
+
+
+def dma_runs(cpu: list, lengths: list, block_bytes: int, chunk_blocks: int = 0):
+    """(index of first block, first cpu id, bytes) per run of consecutive cpu ids. A block shorter than a
+    whole CPU block (a draft layer lacks its rows) ends its run, so the tier keeps the bytes after it; so
+    does a pinned chunk's last block (chunk_blocks), so that no copy spans two registered ranges."""
+    runs, prev, prev_length = [], -2, 0
+    for k, (cpu_id, length) in enumerate(zip(cpu, lengths)):
+        if cpu_id == prev + 1 and prev_length == block_bytes and not (chunk_blocks and cpu_id % chunk_blocks == 0):
+            runs[-1][2] += length
+        else:
+            runs.append([k, cpu_id, length])
+        prev, prev_length = cpu_id, length
+    return runs
+
+
+class StagedCopier(_CudaCopier):
+    """Gather into device staging at HBM speed, then bulk DMA; chunks pipeline through a ring of buffers.
+    A task that fits one chunk and the lane's pinned id buffer takes the small path: one stream, no events,
+    ids read by the kernel from pinned host memory, no upload."""
+
+    def __init__(self, cache, swap, spec, staging_bytes: int):
+        sizes = [i.block_bytes for i in cache.infos]
+        row_ends = np.cumsum(sizes).tolist()
+        row_blocks = [i.num_blocks for i in cache.infos]
+        offsets = [i.cpu_offset for i in cache.infos]
+        # a partial block is a prefix of its CPU block: tensors side by side, those with fewer blocks last
+        if offsets != [end - size for end, size in zip(row_ends, sizes)] or \
+                any(b > a for a, b in zip(row_blocks, row_blocks[1:])):
+            raise ValueError("staged copies need tensors laid out in order, those with fewer blocks last")
+        self._row_ends = row_ends
+        self._neg_blocks = [-b for b in row_blocks]          # ascending, for bisect
+        self._full_blocks = row_blocks[-1]                   # ids below this have every tensor's row
+        self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_stride)
+        super().__init__(cache, swap, spec)
+        self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
+        self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
+        self._small_ids = min(self.chunk_blocks, SMALL_TASK_IDS)
+
+    def _new_lane(self):
+        return Lane(STAGING_RING, self.chunk_blocks * self.stride, host_ids=SMALL_TASK_IDS)
+
+    def _lengths(self, gpu: list) -> list:
+        """Bytes of each task block present on the device: a prefix of the CPU block."""
+        full, ends, neg = self.stride, self._row_ends, self._neg_blocks
+        return [full if g < self._full_blocks else ends[bisect.bisect_left(neg, -g) - 1] for g in gpu]
+
+    def _run(self, lane, gpu, cpu, to_host):
+        lengths = self._lengths(gpu) if to_host else [self.stride] * len(gpu)
+        if len(gpu) <= self._small_ids:
+            return self._run_small(lane, gpu, cpu, lengths, to_host)
+        (ids,) = lane.upload_ids(gpu)
+        for k, lo in enumerate(range(0, len(gpu), self.chunk_blocks)):
+            hi = min(lo + self.chunk_blocks, len(gpu))
+            chunk = (k % STAGING_RING, k >= STAGING_RING, ids + 8 * lo, cpu[lo:hi], lengths[lo:hi])
+            (self._gather if to_host else self._scatter)(lane, *chunk)
+        lane.sync()
+
+    def _run_small(self, lane, gpu, cpu, lengths, to_host):
+        stage, stream = lane.slots[0].ptr, lane.stream
+        ids = lane.put_host_ids(gpu)        # the lane's last task has finished (sync): the buffer is free
+        runs = dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks)
+        if to_host:
+            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.stride, True)
+        for first, cpu_id, nbytes in runs:
+            host, dev = self.swap.host_ptr + cpu_id * self.stride, stage + first * self.stride
+            memcpy_async(*((host, dev) if to_host else (dev, host)), nbytes, to_host, stream)
+        if not to_host:
+            self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.stride, False)
+        lane.sync_stream()
+
+    def _gather(self, lane, slot, reused, ids, cpu, lengths):
+        stage = lane.slots[slot].ptr
+        if reused:      # its previous chunk must have left for the host
+            cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, True)
+        cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.stream), "cudaEventRecord")
+        cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
+        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks):
+            memcpy_async(self.swap.host_ptr + cpu_id * self.stride, stage + first * self.stride, nbytes,
+                         True, lane.dma_stream)
+        cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.dma_stream), "cudaEventRecord")
+
+    def _scatter(self, lane, slot, reused, ids, cpu, lengths):
+        stage = lane.slots[slot].ptr
+        if reused:      # its previous chunk must have been scattered
+            cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
+        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks):
+            memcpy_async(stage + first * self.stride, self.swap.host_ptr + cpu_id * self.stride, nbytes,
+                         False, lane.dma_stream)
+        cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.dma_stream), "cudaEventRecord")
+        cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
+        self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, False)
+        cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.stream), "cudaEventRecord")
+
+    def close(self):
+        super().close()
+        self._kernel.close()
+
+
+class KernelCopier(_CudaCopier):
+    """The row kernel reading and writing the mapped CPU tier directly, on a fixed number of thread blocks."""
+
+    def __init__(self, cache, swap, spec, blocks: int):
+        super().__init__(cache, swap, spec)
+        self.blocks = blocks
+        self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        ids, slots = lane.upload_ids(gpu_ids, cpu_ids)
+        self._kernel.launch(lane.stream, self.blocks, ids, slots, len(gpu_ids), self.swap.mapped_ptr(),
+                            self.stride, to_host)
+        lane.sync()
+
+    def close(self):
+        super().close()
+        self._kernel.close()
+
+
+def row_copies(infos, pointers, host_ptr, block_bytes, gpu_ids, cpu_ids, to_host):
+    """(dst, src, size) of every (tensor, block) row, tensor by tensor, rows adjacent on both sides merged."""
+    gpu_ids, cpu_ids = np.asarray(gpu_ids, np.int64), np.asarray(cpu_ids, np.int64)
+    gpu, cpu, size = [], [], []
+    for info, ptr in zip(infos, pointers):
+        keep = gpu_ids < info.num_blocks
+        gpu.append(ptr + gpu_ids[keep] * info.block_bytes)
+        cpu.append(host_ptr + cpu_ids[keep] * block_bytes + info.cpu_offset)
+        size.append(np.full(int(keep.sum()), info.block_bytes, np.int64))
+    gpu, cpu, size = (np.concatenate(parts) for parts in (gpu, cpu, size))
+    src, dst = (gpu, cpu) if to_host else (cpu, gpu)
+    start = np.ones(len(size), bool)
+    start[1:] = (src[1:] != src[:-1] + size[:-1]) | (dst[1:] != dst[:-1] + size[:-1])
+    first = np.flatnonzero(start)
+    return dst[first], src[first], np.add.reduceat(size, first)
+
+
+class MemcpyCopier(_CudaCopier):
+    """One cudaMemcpyAsync per merged row (FastDeploy's cache_transfer_manager does this)."""
+
+    def _rows(self, gpu_ids, cpu_ids, to_host):
+        return row_copies(self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu_ids, cpu_ids, to_host)
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        for dst, src, size in zip(*(a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))):
+            memcpy_async(dst, src, size, to_host, lane.stream)
+        lane.sync()
+
+
+class BatchCopier(MemcpyCopier):
+    """All rows in one cudaMemcpyBatchAsync. CUDA 12.8 has an out-parameter failIdx that CUDA 13 dropped;
+    cuda-bindings returns it after the status (12.x) or not at all (13.x), the arguments are the same."""
+
+    def __init__(self, cache, swap, spec):
+        driver_version = cuda_check(runtime.cudaDriverGetVersion(), "cudaDriverGetVersion")
+        if not hasattr(runtime, "cudaMemcpyBatchAsync") or driver_version < 12080:
+            raise TransferError(f"copy method 'batch' needs cudaMemcpyBatchAsync: a CUDA 12.8+ driver (this one "
+                                f"is {driver_version}) and cuda-bindings 12.8+")
+        super().__init__(cache, swap, spec)
+        self._attrs = runtime.cudaMemcpyAttributes()
+        self._attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        self._attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+
+    def _run(self, lane, gpu_ids, cpu_ids, to_host):
+        dst, src, size = (a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))
+        cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, size, len(size), [self._attrs], [0], 1, lane.stream),
+                   "cudaMemcpyBatchAsync")
+        lane.sync()
+
+
+def make_copier(method: str, cache, swap, spec: CacheSpec) -> Copier:
+    """A copier of `method` over plain per-tensor device pointers (`cache.pointers`)."""
+    if method == "staged":
+        return StagedCopier(cache, swap, spec, staging_bytes=int(Settings.from_env().staging_mb * (1 << 20)))
+    if method == "kernel":
+        return KernelCopier(cache, swap, spec, blocks=Settings.from_env().kernel_blocks)
+    if method == "batch":
+        return BatchCopier(cache, swap, spec)
+    if method == "memcpy":
+        return MemcpyCopier(cache, swap, spec)
+    raise ValueError(f"unknown copy method {method!r}; expected one of {METHODS}")

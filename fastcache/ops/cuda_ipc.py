@@ -1,0 +1,83 @@
+"""CUDA IPC: export a device pointer as (handle of its allocation, offset), and open such handles in
+another process. Caching allocators sub-allocate and a handle always opens at its allocation's base, so
+every export carries the offset; CUDA lets a process open an allocation once, so openers share bases."""
+from __future__ import annotations
+
+import ctypes
+
+from cuda.bindings import driver, runtime
+
+from ..config import TensorInfo
+from ..errors import TransferError
+from .cuda_kernels import cuda_check, set_device
+
+IPC_HANDLE_BYTES = 64
+
+
+def export_pointer(ptr: int, what: str, handles: dict | None = None) -> dict:
+    """IPC handle of the allocation holding ptr, ptr's offset in it, and the allocation's size. `handles`
+    (allocation base -> handle) lets exports in one allocation share one handle string."""
+    base, size = cuda_check(driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr)), "cuMemGetAddressRange")
+    base = int(base)
+    handles = {} if handles is None else handles
+    if base not in handles:
+        try:
+            handle = cuda_check(runtime.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle({what})")
+        except TransferError as exc:
+            raise TransferError(f"{exc} (CUDA IPC exports cudaMalloc memory only: a virtual-memory allocator such "
+                                f"as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be shared)") from None
+        handles[base] = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex()
+    return {"handle": handles[base], "offset": ptr - base, "alloc_bytes": int(size)}
+
+
+def export_tensors(infos: list, pointers: list, device_id: int) -> list:
+    """Manifest entries: per tensor, the IPC handle of the allocation holding it and its offset there.
+    Tensors sharing an allocation share one handle string, so an attacher opens it once."""
+    handles = {}
+    return [{"name": info.name, **export_pointer(ptr, info.name, handles), "nbytes": info.nbytes,
+             "device": device_id} for info, ptr in zip(infos, pointers)]
+
+
+def check_region(entry: dict, nbytes: int, what: str):
+    """Refuse an export whose handle is malformed or whose nbytes at offset leave its allocation."""
+    handle, offset, size = entry.get("handle"), entry.get("offset"), entry.get("alloc_bytes")
+    if not isinstance(handle, str) or len(handle) != 2 * IPC_HANDLE_BYTES:
+        raise ValueError(f"{what}: no valid IPC handle")
+    if not all(isinstance(v, int) for v in (offset, size)) or offset < 0 or offset + nbytes > size:
+        raise ValueError(f"{what}: {nbytes} bytes at offset {offset} lie outside its {size}-byte allocation")
+
+
+def check_entry(entry: dict, info: TensorInfo):
+    if entry.get("name") != info.name or entry.get("nbytes") != info.nbytes:
+        raise ValueError(f"manifest entry {entry.get('name')} does not match the spec's {info.name}")
+    check_region(entry, info.nbytes, f"manifest entry {info.name}")
+
+
+def open_handle(hex_handle: str) -> int:
+    handle = runtime.cudaIpcMemHandle_t()
+    ctypes.memmove(handle.getPtr(), bytes.fromhex(hex_handle), IPC_HANDLE_BYTES)
+    return int(cuda_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
+                          "cudaIpcOpenMemHandle"))
+
+
+class OpenAllocations:
+    """Another process's allocations opened in this one, each once, by handle string."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self._bases = {}            # hex handle -> base address here
+
+    def address(self, entry: dict) -> int:
+        """This process's address of an export (its handle opened if it is not yet)."""
+        handle = entry["handle"]
+        if handle not in self._bases:
+            set_device(self.device_id)
+            self._bases[handle] = open_handle(handle)
+        return self._bases[handle] + entry["offset"]
+
+    def close(self):
+        bases, self._bases = self._bases, {}
+        if bases:
+            set_device(self.device_id)
+        for base in bases.values():
+            cuda_check(runtime.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
