@@ -19,7 +19,7 @@ import pytest
 
 from conftest import all_tensors, deployment, small_spec
 from fastcache import TieredCache, TransferError
-from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
+from fastcache.engine.tiered_l3 import BLOCK, PINS, READY, STATE
 from test_reshard import InProcessWorkers
 from test_tiered import Bytes
 

@@ -178,12 +178,12 @@ def test_a_swap_that_skips_the_engines_check_is_still_refused_by_every_transfer_
         for r in range(2):
             backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
         before = [backend.cpu_tier(r).copy() for r in range(2)] + [t.copy() for w in workers for t in all_tensors(w)]
-        handle = backend._swap_checked(kind, gpu, cpu)
+        handle = backend.submit_checked_swap(kind, gpu, cpu)
         with pytest.raises(TransferError, match=f"rank 0: {message}.*rank 1: {message}"):
             handle.result(timeout=10)
         after = [backend.cpu_tier(r) for r in range(2)] + [t for w in workers for t in all_tensors(w)]
         assert all(np.array_equal(a, b) for a, b in zip(after, before))
-        backend._swap_checked(protocol.SWAP_TO_CPU, [1], [1]).result(timeout=10)     # the deployment works on
+        backend.submit_checked_swap(protocol.SWAP_TO_CPU, [1], [1]).result(timeout=10)     # the deployment works on
         assert np.array_equal(backend.cpu_tier(1)[1], cpu_image(workers[1], [1])[0])
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from fastcache import CacheSpec, TieredCache, TransferError, TransferHandle
 from fastcache.engine.allocator import CpuBlockAllocator
-from fastcache.engine.tiered import BLOCK, PINS, READY, STATE
+from fastcache.engine.tiered_l3 import BLOCK, PINS, READY, STATE
 from fastcache.ipc.signal import CLEARING, NORMAL
 from fastcache.launch.verify import HashBytes, mismatched, write_blocks
 
@@ -65,12 +65,12 @@ class FakeBackend:
         self.spec = small_spec(num_cpu_blocks=num_cpu_blocks, num_gpu_blocks=num_gpu_blocks)
         self.allocator = CpuBlockAllocator(num_cpu_blocks)
         self.signals = _Signals()
-        self._started, self._closed = True, False
+        self.running = True
         self.store_url = None       # no L3 store
         self.tasks = []             # (handle, gpu ids, cpu ids)
         self.auto = False           # complete every task at once
 
-    def _swap_checked(self, kind, gpu, cpu):
+    def submit_checked_swap(self, kind, gpu, cpu):
         handle = TransferHandle(len(self.tasks) + 1, kind, [0, 1], 100 * len(gpu))
         self.tasks.append((handle, list(gpu), list(cpu)))
         if self.auto:
@@ -448,7 +448,7 @@ def test_many_threads_store_lookup_and_load_with_every_block_verified():
         cache.close()
 
 
-# -- the cost path, for behaviour (the figures: tools/tier_bench.py and the README; performance is
+# -- the cost path, for behaviour (the figures: benchmarks/tier_bench.py and the README; performance is
 # measured there, never asserted in a timed test) -------------------------------------------------
 def test_lookup_of_a_held_64_block_prompt_counts_every_block():
     with deployment(small_spec(num_cpu_blocks=64), tp=1) as (backend, _):
@@ -508,7 +508,7 @@ def test_sim_moves_every_row_at_random_ids_and_in_runs(row, ids):
 
 def test_sim_swaps_a_512_block_task_of_32_kib_rows_at_random_ids_bit_exact():
     """The issue's workload (16 tensors, 32 KiB rows, 512 random ids, 256 MiB) moves every byte; its speed
-    against a memcpy is tools/tier_bench.py's figure (0.21x before the copier moved rows in place)."""
+    against a memcpy is benchmarks/tier_bench.py's figure (0.21x before the copier moved rows in place)."""
     spec = CacheSpec(num_layers=8, num_gpu_blocks=512, num_cpu_blocks=512, block_size=16, num_kv_heads=4,
                      head_dim=256)
     rng = np.random.default_rng(0)
@@ -527,7 +527,6 @@ def test_sim_swaps_a_512_block_task_of_32_kib_rows_at_random_ids_bit_exact():
 def test_a_block_let_go_between_a_reshards_snapshot_and_its_remap_stays_the_caches():
     """A store refused as a reshard begins drops its entries whenever its thread gets there: after the
     step's snapshot of the quota's free blocks, that block counted as live, so it is renamed, not lost."""
-    from fastcache.engine.reshard_phase import remap_tiered_cache
     backend = FakeBackend(num_cpu_blocks=8)
     backend.auto = True
     cache = TieredCache(backend, "ns", capacity=4)
@@ -538,7 +537,7 @@ def test_a_block_let_go_between_a_reshards_snapshot_and_its_remap_stays_the_cach
         cache._drop(2, cache._index[2])              # the late release
     cpu_map = {b: i for i, b in enumerate(live)}     # the step compacts the live blocks to the front
     backend.allocator.remap(cpu_map, 8)
-    remap_tiered_cache(cache, cpu_map, snapshot, backend.allocator)
+    cache.remap_blocks(cpu_map, snapshot, backend.allocator)
     blocks = [e[BLOCK] for e in cache._index.values()] + cache._free
     assert len(blocks) == len(set(blocks)) == cache.capacity == 4
     assert set(blocks) == backend.allocator.used_ids()

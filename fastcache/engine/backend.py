@@ -37,6 +37,7 @@ from ..metrics import SwapCounters
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .handle import TransferHandle
+from .ids import as_ids, wire_dtype
 from .l3 import StoreTasks
 from .reshard_phase import ReshardPhase
 
@@ -167,6 +168,11 @@ class SwapBackend(StoreTasks, ReshardPhase):
         return [p.pid if p is not None else 0 for p in self._procs[:self.tp_size]]
 
     @property
+    def running(self) -> bool:
+        """Started and not closed."""
+        return self._started and not self._closed
+
+    @property
     def status(self) -> int:
         return self.signals.status
 
@@ -204,11 +210,11 @@ class SwapBackend(StoreTasks, ReshardPhase):
     def _submit(self, kind, gpu_block_ids, cpu_block_ids) -> TransferHandle:
         return self._submit_ids(kind, *self._validate(kind, gpu_block_ids, cpu_block_ids))
 
-    def _swap_checked(self, kind, gpu_ids: list[int], cpu_ids: list[int]) -> TransferHandle:
+    def submit_checked_swap(self, kind, gpu_ids: list[int], cpu_ids: list[int]) -> TransferHandle:
         """A swap of ids the caller has already checked as _validate does. TieredCache checks each request
         before it touches its index and names only CPU blocks it owns, so its swaps skip a second check
         (each transfer manager still checks every task it receives)."""
-        wire = _wire_dtype(self.spec)
+        wire = wire_dtype(self.spec)
         return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
 
     def _submit_ids(self, kind, gpu_ids, cpu_ids) -> TransferHandle:
@@ -230,14 +236,14 @@ class SwapBackend(StoreTasks, ReshardPhase):
         return handle
 
     def _validate(self, kind, gpu_block_ids, cpu_block_ids):
-        gpu_ids = _as_ids(gpu_block_ids, "gpu_block_ids")
-        cpu_ids = _as_ids(cpu_block_ids, "cpu_block_ids")
+        gpu_ids = as_ids(gpu_block_ids, "gpu_block_ids")
+        cpu_ids = as_ids(cpu_block_ids, "cpu_block_ids")
         if len(gpu_ids) != len(cpu_ids):
             raise ValueError(f"gpu_block_ids has {len(gpu_ids)} ids but cpu_block_ids has {len(cpu_ids)}")
         if not 0 < len(gpu_ids) <= protocol.MAX_IDS:
             raise ValueError(f"a swap moves 1..{protocol.MAX_IDS} blocks, got {len(gpu_ids)}")
         protocol.check_ids(gpu_ids, cpu_ids, kind, self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
-        wire = _wire_dtype(self.spec)
+        wire = wire_dtype(self.spec)
         return gpu_ids.astype(wire), cpu_ids.astype(wire)
 
     def cpu_tier(self, rank: int) -> np.ndarray:
@@ -592,27 +598,3 @@ class SwapBackend(StoreTasks, ReshardPhase):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _wire_dtype(spec):
-    """The id dtype a task travels in: int32 unless a block count needs more."""
-    return np.int32 if max(spec.num_gpu_blocks, spec.num_cpu_blocks) < 2**31 else np.int64
-
-
-def _as_ids(ids, label) -> np.ndarray:
-    """Block ids as a 1-D int64 array; any integer type in a list, tuple, range or array is accepted."""
-    if isinstance(ids, (str, bytes, dict, set)):
-        raise ValueError(f"{label} must be a sequence of ints, got {type(ids).__name__}")
-    try:
-        arr = np.asarray(ids)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{label} is not a sequence of ints: {exc}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"{label} must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{label} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{label}: block id {arr.max()} out of range")
-    return arr.astype(np.int64)

@@ -15,6 +15,7 @@ from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
 from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store, parse_store_url
 from .handle import TransferHandle
+from .ids import as_cpu_ids
 
 
 class StoreTasks:
@@ -65,7 +66,7 @@ class StoreTasks:
         self._require_store()
         check_namespace(namespace)
         hashes = as_hashes(hashes)
-        cpu_ids = _cpu_ids(cpu_block_ids, self.spec.num_cpu_blocks)
+        cpu_ids = as_cpu_ids(cpu_block_ids, self.spec.num_cpu_blocks)
         if len(hashes) != len(cpu_ids):
             raise ValueError(f"hashes has {len(hashes)} entries but cpu_block_ids has {len(cpu_ids)}")
         if not 0 < len(hashes) <= protocol.MAX_IDS:
@@ -99,18 +100,3 @@ class StoreTasks:
             store, self._store = self._store, None
         if store is not None:
             store.close()
-
-
-def _cpu_ids(ids, num_cpu_blocks) -> np.ndarray:
-    if isinstance(ids, (str, bytes, dict, set)):
-        raise ValueError(f"cpu_block_ids must be a sequence of ints, got {type(ids).__name__}")
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"cpu_block_ids must be a one-dimensional sequence of ints, got {arr.dtype} {arr.shape}")
-    arr = arr.astype(np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= num_cpu_blocks):
-        bad = arr[(arr < 0) | (arr >= num_cpu_blocks)][0]
-        raise ValueError(f"cpu block id {int(bad)} out of range 0..{num_cpu_blocks - 1}")
-    if len(np.unique(arr)) != len(arr):
-        raise ValueError("duplicate cpu block ids")
-    return arr

@@ -235,6 +235,10 @@ class ReshardPhase:
         step.quota_free = quota_free
         self._check_reshard_fits(step.plan)
 
+    def register_cache(self, cache):
+        """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
+        self._tiered_caches.add(cache)
+
     def _wait_caches_quiet(self, deadline):
         """A TieredCache call past its checks may hold CPU block ids it has yet to submit (its submission is
         refused now): the blocks are counted and renamed only once no such call is left."""
@@ -245,9 +249,9 @@ class ReshardPhase:
     def _quota_snapshot(self):
         quota_free = {}
         for cache in list(self._tiered_caches):
-            with cache._lock:
-                if not cache._closed:
-                    quota_free[cache] = list(cache._free)
+            free = cache.free_quota()
+            if free is not None:
+                quota_free[cache] = free
         return {b for free in quota_free.values() for b in free}, quota_free
 
     def _raise_if_failed_for(self, step):
@@ -476,7 +480,7 @@ class ReshardPhase:
         self.allocator.remap(cpu_map, plan.new_spec.num_cpu_blocks)
         self.allocator.thaw()
         for cache, free in step.quota_free.items():
-            remap_tiered_cache(cache, cpu_map, free, self.allocator)
+            cache.remap_blocks(cpu_map, free, self.allocator)
 
     def _drop_step_memory(self, step):
         for seg in step.cpu_staging.values():
@@ -504,25 +508,3 @@ class ReshardPhase:
                 "block_map": plan.gpu_map, "cpu_block_map": plan.cpu_map,
                 "staging_bytes": {r: plan.staging_bytes_for(r, "gpu") for r in plan.kept},
                 "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept}}
-
-
-def remap_tiered_cache(cache, cpu_map: dict, free: list, allocator):
-    """A TieredCache's index after the CPU tier was resharded: every entry's block renamed by cpu_map, and a
-    quota of free blocks taken again (fewer if the smaller tier has not as many free: the capacity shrinks)."""
-    from .tiered import BLOCK
-    with cache._lock:
-        if cache._closed:
-            return
-        for key, entry in list(cache._index.items()):
-            block = entry[BLOCK]
-            if block is None:
-                continue
-            if block not in cpu_map:     # cannot happen (every entry's block was live): fail closed
-                cache._drop(key, entry)
-                continue
-            entry[BLOCK] = cpu_map[block]
-        # a block let go after the snapshot (a store refused as the step began) was live: renamed, still the cache's
-        released = [cpu_map[b] for b in cache._free if b in cpu_map]
-        take = min(len(free), allocator.num_free)
-        cache._free = allocator.allocate(take)[::-1] + released
-        cache.capacity -= len(free) - take

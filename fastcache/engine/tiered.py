@@ -34,26 +34,16 @@ from collections import OrderedDict, deque
 from itertools import filterfalse, islice, takewhile
 from operator import itemgetter
 
-import numpy as np
-
 from .. import metrics
 from ..config import check_namespace
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
-from .backend import _as_ids
 from .handle import TransferHandle
-from .tiered_l3 import WRITE_MODES, L3Tier
+from .ids import as_gpu_ids, as_hash_list
+from .tiered_l3 import BLOCK, DONE, PINS, QUOTA, READY, STATE, STORING, WRITE_MODES, L3Tier
 
-MASK = (1 << 64) - 1
-MIN_HASH = -(1 << 63)
-
-# An entry is a 4-item list, [CPU block, quota generation, pins, state]: a store makes 64 of them per
-# prompt, and a list costs a third of a slotted object to make. The quota generation is the allocator's
-# generation the block was reserved under; pins count loads in flight.
-BLOCK, QUOTA, PINS, STATE = range(4)
 _pins, _block = itemgetter(PINS), itemgetter(BLOCK)
-STORING, READY, DONE = range(3)      # DONE: its store ended but it is not (or no longer) in the index
 
 
 class TieredCache(L3Tier):
@@ -88,9 +78,9 @@ class TieredCache(L3Tier):
         self._counts = dict.fromkeys(metrics.TIER_COUNTERS, 0)
         self._latency = {"store": metrics.Histogram(), "load": metrics.Histogram()}
         self._init_l3(write)
-        registry = getattr(backend, "_tiered_caches", None)
-        if registry is not None:        # a reshard renames the CPU blocks of the entries (DESIGN §9)
-            registry.add(self)
+        register = getattr(backend, "register_cache", None)
+        if register is not None:        # a reshard renames the CPU blocks of the entries (DESIGN §9)
+            register(self)
 
     # -- namespace (model and weight version) ------------------------------------------------------
     @property
@@ -130,7 +120,7 @@ class TieredCache(L3Tier):
 
     def lookup_tiers(self, hashes) -> tuple[int, int]:
         """(leading hashes held, how many of those only the store holds)."""
-        keys = _as_hashes(hashes)
+        keys = as_hash_list(hashes)
         with self._lock:
             self._check_usable()
             n = len(list(takewhile(self._visible.__contains__, keys)))
@@ -168,7 +158,7 @@ class TieredCache(L3Tier):
                 return TransferHandle.completed(protocol.SWAP_TO_CPU)
             new, new_gpu, blocks, entries, _ = batch
             try:
-                handle = self.backend._swap_checked(protocol.SWAP_TO_CPU, new_gpu, blocks)
+                handle = self.backend.submit_checked_swap(protocol.SWAP_TO_CPU, new_gpu, blocks)
             except BaseException:
                 with self._lock:
                     for key, entry in zip(new, entries):
@@ -207,7 +197,7 @@ class TieredCache(L3Tier):
             batch = (keys, entries, self._drops)
             self._busy += 1
         try:
-            handle = self.backend._swap_checked(protocol.SWAP_TO_GPU, gpu, list(map(_block, entries)))
+            handle = self.backend.submit_checked_swap(protocol.SWAP_TO_GPU, gpu, list(map(_block, entries)))
         except BaseException:
             with self._lock:
                 for key, entry in zip(keys, entries):
@@ -264,8 +254,8 @@ class TieredCache(L3Tier):
 
     # -- bookkeeping (under the lock) ---------------------------------------------------------------
     def _validate(self, hashes, gpu_block_ids, what):
-        keys = _as_hashes(hashes)
-        gpu = _as_gpu_ids(gpu_block_ids, self.backend.spec.num_gpu_blocks)
+        keys = as_hash_list(hashes)
+        gpu = as_gpu_ids(gpu_block_ids, self.backend.spec.num_gpu_blocks)
         if len(keys) != len(gpu):
             raise ValueError(f"{what}: {len(keys)} hashes but {len(gpu)} gpu_block_ids")
         if len(gpu) > protocol.MAX_IDS:
@@ -385,6 +375,32 @@ class TieredCache(L3Tier):
             else:
                 self._counts["failed_loads"] += 1
 
+    # -- resharding (the backend calls these) ------------------------------------------------------
+    def free_quota(self) -> list | None:
+        """The quota's free CPU blocks now (None once closed): a reshard's snapshot of what is not live."""
+        with self._lock:
+            return None if self._closed else list(self._free)
+
+    def remap_blocks(self, cpu_map: dict, free: list, allocator):
+        """After the CPU tier was resharded: every entry's block renamed by cpu_map, and a quota of free blocks
+        taken again (fewer if the smaller tier has not as many free: the capacity shrinks). `free` is the
+        free_quota() the reshard planned with."""
+        with self._lock:
+            if self._closed:
+                return
+            for key, entry in list(self._index.items()):
+                block = entry[BLOCK]
+                if block is None:
+                    continue
+                if block not in cpu_map:     # cannot happen (every entry's block was live): fail closed
+                    self._drop(key, entry)
+                    continue
+                entry[BLOCK] = cpu_map[block]
+            # a block let go after the snapshot (a store refused as the step began) was live: renamed, still ours
+            released = [cpu_map[b] for b in self._free if b in cpu_map]
+            take = min(len(free), allocator.num_free)
+            self._free = allocator.allocate(take)[::-1] + released
+
     def _unpin(self, key, entry):
         entry[PINS] -= 1
         if self._index.get(key) is not entry:
@@ -441,54 +457,9 @@ class TieredCache(L3Tier):
 
     def _backend_refusal(self) -> str | None:
         backend = self.backend
-        if backend._closed or not backend._started:
+        if not backend.running:
             return "the backend is not running"
         status = backend.signals.status
         if status != NORMAL:
             return f"kv_cache_status is {STATUS_NAMES.get(status, status)}"
         return None
-
-
-def _as_gpu_ids(ids, bound) -> list[int]:
-    """GPU block ids as a list of ints in 0..bound-1 (a list of Python ints skips NumPy: the common case)."""
-    if isinstance(ids, (list, tuple, range)) and set(map(type, ids)) <= {int}:
-        ids = list(ids)
-    else:
-        ids = _as_ids(ids, "gpu_block_ids").tolist()
-    if ids and (min(ids) < 0 or max(ids) >= bound):
-        bad = next(i for i in ids if not 0 <= i < bound)
-        raise ValueError(f"gpu block id {bad} out of range 0..{bound - 1}")
-    return ids
-
-
-def _as_hashes(hashes) -> list[int]:
-    """Hashes as Python ints in 0..2**64-1 (a negative int64 is the same 64 bits as its uint64)."""
-    if isinstance(hashes, np.ndarray):
-        if hashes.ndim != 1 or hashes.dtype.kind not in "iu":
-            raise ValueError(f"hashes must be a 1-D integer array, got {hashes.dtype} of shape {hashes.shape}")
-        wide = hashes.astype(np.uint64 if hashes.dtype.kind == "u" else np.int64, copy=False)
-        return wide.view(np.uint64).tolist()
-    if isinstance(hashes, (str, bytes, bytearray, dict, set, frozenset)):
-        raise ValueError(f"hashes must be an ordered sequence of ints, got {type(hashes).__name__}")
-    try:
-        keys = list(hashes)
-    except TypeError:
-        raise ValueError(f"hashes must be a sequence of ints, got {type(hashes).__name__}") from None
-    if set(map(type, keys)) <= {int}:              # the fast path: a list of Python ints
-        if keys and (min(keys) < 0 or max(keys) > MASK):
-            _check_range(keys)
-            return [k & MASK for k in keys]
-        return keys
-    out = []
-    for k in keys:
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
-            raise ValueError(f"hashes must be ints, got {type(k).__name__} {k!r}")
-        out.append(int(k))
-    _check_range(out)
-    return [k & MASK for k in out]
-
-
-def _check_range(keys):
-    for k in keys:
-        if not MIN_HASH <= k <= MASK:
-            raise ValueError(f"hash {k} does not fit in 64 bits")

@@ -35,8 +35,11 @@ log = logging.getLogger("fastcache.engine")
 
 L3_BACKOFF = 10.0            # seconds the store is set aside after an error
 WRITE_MODES = ("back", "through")
-BLOCK, QUOTA, PINS, STATE = range(4)        # TieredCache's entry layout
-STORING, READY, DONE = range(3)
+# TieredCache's entry: a 4-item list, [CPU block, quota generation, pins, state]. A store makes 64 of them
+# per prompt, and a list costs a third of a slotted object to make. The quota generation is the
+# allocator's generation the block was reserved under; pins count loads in flight.
+BLOCK, QUOTA, PINS, STATE = range(4)
+STORING, READY, DONE = range(3)      # DONE: its store ended but it is not (or no longer) in the index
 
 
 class L3Tier:
@@ -256,7 +259,7 @@ class L3Tier:
             self._l3_undo(batch)
             raise
         try:
-            swap = self.backend._swap_checked(protocol.SWAP_TO_GPU, gpu, [e[BLOCK] for e in entries])
+            swap = self.backend.submit_checked_swap(protocol.SWAP_TO_GPU, gpu, [e[BLOCK] for e in entries])
         except BaseException:
             fetched.add_done_callback(lambda _: self._l3_undo(batch))     # not before the fetch is over
             raise

@@ -6,7 +6,7 @@ submitter through a threading.Event when every rank has answered. Whatever fastc
 this (validation, the copy, bookkeeping) shows as the difference to `python -m fastcache.launch`'s
 one-block p50.
 
-    python tools/queue_floor.py [--tp 2] [--samples 2000]
+    python benchmarks/queue_floor.py [--tp 2] [--samples 2000]
 """
 import argparse
 import os

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   tools/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier]     (default: all, in that order)
+#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier]     (default: all, in that order)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
-#   probe   the CUDA C++ ceiling probe tools/swapbench.cu (a copy of shared/reference/swapbench.cu)
+#   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu (a copy of shared/reference/swapbench.cu)
 #   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
 #   launch  python -m fastcache.launch on the cuda device
-#   tier    tools/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json
+#   tier    benchmarks/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
@@ -67,7 +67,7 @@ run_probe() {
     if [ "$major" -ge 13 ]; then batch=-DUSE_BATCH=13
     elif [ "$major" -eq 12 ] && [ "$minor" -ge 8 ]; then batch=-DUSE_BATCH=12
     fi
-    nvcc -O2 -arch=sm_90 $batch -o /tmp/swapbench tools/swapbench.cu 2>&1 | tee "$OUT/swapbench.log" &&
+    nvcc -O2 -arch=sm_90 $batch -o /tmp/swapbench benchmarks/swapbench.cu 2>&1 | tee "$OUT/swapbench.log" &&
         timeout 180 /tmp/swapbench 2>&1 | tee -a "$OUT/swapbench.log"
 }
 
@@ -76,7 +76,7 @@ run_bench() {
 }
 
 run_tier() {
-    timeout 300 python3 tools/tier_bench.py --device cuda --tp 1 --json "$OUT/tier.json" 2>&1 | tee "$OUT/tier.log"
+    timeout 300 python3 benchmarks/tier_bench.py --device cuda --tp 1 --json "$OUT/tier.json" 2>&1 | tee "$OUT/tier.log"
 }
 
 run_launch() {

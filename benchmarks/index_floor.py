@@ -11,7 +11,7 @@ is timed two ways: right after an untimed call of its own (its code and data war
 sim swap of a tp=2 deployment completes (the state a store meets in an engine). What the floor saves against
 the cache right after a swap bounds what any index written in Python could save there.
 
-    python tools/index_floor.py [--blocks 64] [--samples 300]
+    python benchmarks/index_floor.py [--blocks 64] [--samples 300]
 """
 import argparse
 import statistics

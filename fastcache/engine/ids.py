@@ -1,0 +1,92 @@
+"""Checks of the ids and hashes an engine hands in, shared by SwapBackend, its store tasks and TieredCache:
+each returns them in the form its caller sends, or raises ValueError naming what is wrong."""
+from __future__ import annotations
+
+import numpy as np
+
+MASK = (1 << 64) - 1
+MIN_HASH = -(1 << 63)
+
+
+def wire_dtype(spec):
+    """The id dtype a task travels in: int32 unless a block count needs more."""
+    return np.int32 if max(spec.num_gpu_blocks, spec.num_cpu_blocks) < 2**31 else np.int64
+
+
+def as_ids(ids, label) -> np.ndarray:
+    """Block ids as a 1-D int64 array; any integer type in a list, tuple, range or array is accepted."""
+    if isinstance(ids, (str, bytes, dict, set)):
+        raise ValueError(f"{label} must be a sequence of ints, got {type(ids).__name__}")
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{label} is not a sequence of ints: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{label} must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{label} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{label}: block id {arr.max()} out of range")
+    return arr.astype(np.int64)
+
+
+def as_gpu_ids(ids, bound) -> list[int]:
+    """GPU block ids as a list of ints in 0..bound-1 (a list of Python ints skips NumPy: the common case)."""
+    if isinstance(ids, (list, tuple, range)) and set(map(type, ids)) <= {int}:
+        ids = list(ids)
+    else:
+        ids = as_ids(ids, "gpu_block_ids").tolist()
+    if ids and (min(ids) < 0 or max(ids) >= bound):
+        bad = next(i for i in ids if not 0 <= i < bound)
+        raise ValueError(f"gpu block id {bad} out of range 0..{bound - 1}")
+    return ids
+
+
+def as_cpu_ids(ids, num_cpu_blocks) -> np.ndarray:
+    if isinstance(ids, (str, bytes, dict, set)):
+        raise ValueError(f"cpu_block_ids must be a sequence of ints, got {type(ids).__name__}")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"cpu_block_ids must be a one-dimensional sequence of ints, got {arr.dtype} {arr.shape}")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_cpu_blocks):
+        bad = arr[(arr < 0) | (arr >= num_cpu_blocks)][0]
+        raise ValueError(f"cpu block id {int(bad)} out of range 0..{num_cpu_blocks - 1}")
+    if len(np.unique(arr)) != len(arr):
+        raise ValueError("duplicate cpu block ids")
+    return arr
+
+
+def as_hash_list(hashes) -> list[int]:
+    """Hashes as Python ints in 0..2**64-1 (a negative int64 is the same 64 bits as its uint64)."""
+    if isinstance(hashes, np.ndarray):
+        if hashes.ndim != 1 or hashes.dtype.kind not in "iu":
+            raise ValueError(f"hashes must be a 1-D integer array, got {hashes.dtype} of shape {hashes.shape}")
+        wide = hashes.astype(np.uint64 if hashes.dtype.kind == "u" else np.int64, copy=False)
+        return wide.view(np.uint64).tolist()
+    if isinstance(hashes, (str, bytes, bytearray, dict, set, frozenset)):
+        raise ValueError(f"hashes must be an ordered sequence of ints, got {type(hashes).__name__}")
+    try:
+        keys = list(hashes)
+    except TypeError:
+        raise ValueError(f"hashes must be a sequence of ints, got {type(hashes).__name__}") from None
+    if set(map(type, keys)) <= {int}:              # the fast path: a list of Python ints
+        if keys and (min(keys) < 0 or max(keys) > MASK):
+            check_hash_range(keys)
+            return [k & MASK for k in keys]
+        return keys
+    out = []
+    for k in keys:
+        if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+            raise ValueError(f"hashes must be ints, got {type(k).__name__} {k!r}")
+        out.append(int(k))
+    check_hash_range(out)
+    return [k & MASK for k in out]
+
+
+def check_hash_range(keys):
+    for k in keys:
+        if not MIN_HASH <= k <= MASK:
+            raise ValueError(f"hash {k} does not fit in 64 bits")
