@@ -3,7 +3,7 @@
 #   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier]     (default: all, in that order)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
-#   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu (a copy of shared/reference/swapbench.cu)
+#   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu
 #   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
 #   launch  python -m fastcache.launch on the cuda device
 #   tier    benchmarks/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json

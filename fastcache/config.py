@@ -53,7 +53,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Geometry of one rank's KV cache (DESIGN §3).
+    """Geometry of one rank's KV cache (docs/design.md §3).
 
     Key cache per layer: [num_gpu_blocks, num_kv_heads, block_size, head_dim]; the value cache has the
     same shape unless has_value=False. Draft layers (num_extra_layers) hold num_extra_gpu_blocks blocks:

@@ -1,4 +1,4 @@
-"""Counters of the swap backend and the tiered cache, and their Prometheus export (DESIGN §8).
+"""Counters of the swap backend and the tiered cache, and their Prometheus export (docs/design.md §8).
 
 The counters are plain integers under a lock, updated where the work happens (a task's completion,
 a cache call). prometheus-client is imported only by `serve`, which reads the counters at scrape time:

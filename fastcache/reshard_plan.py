@@ -1,4 +1,4 @@
-"""Liquid resharding, the plan (DESIGN §9): pure functions over geometry and block ids, no I/O.
+"""Liquid resharding, the plan (docs/design.md §9): pure functions over geometry and block ids, no I/O.
 
 Total KV heads H = num_kv_heads * tp are fixed; under tp=n rank r holds heads [r*H/n, (r+1)*H/n) of every
 block. A reshard from tp=m to tp=n rebuilds every live block row of every rank from head slices of the
@@ -13,7 +13,7 @@ the same inputs (the specs, the tp sizes, the ranks' allocations and the block m
   free ids below the new block count (blocks with draft-layer rows below the new draft count). The CPU
   tier's used blocks are mapped the same way.
 - **Row spaces.** Every GPU tensor of a rank is a space of rows (one row per block: heads x tokens x dim),
-  and so is the CPU tier (one row per CPU block: every tensor's row side by side, DESIGN §3). A new row is
+  and so is the CPU tier (one row per CPU block: every tensor's row side by side, docs/design.md §3). A new row is
   assembled from pieces: contiguous head slices of old rows, on this rank or others.
 - **Safe order.** A rank that is also a source (kept) rebuilds its own rows in place: with smaller rows
   (scale-out) in ascending block order, with larger rows (scale-in) in descending order, a chunk at a time
@@ -37,7 +37,7 @@ import numpy as np
 
 from .config import CacheSpec
 
-MAX_STAGING_BYTES = 256 << 20       # DESIGN §9: one staging buffer of at most 256 MiB beside each cache
+MAX_STAGING_BYTES = 256 << 20       # docs/design.md §9: one staging buffer of at most 256 MiB beside each cache
 DEFAULT_STAGING_BYTES = 64 << 20
 MAX_RANKS = 31                      # the phase barrier holds 63 parties: the engine, 31 transfer managers, 31 workers
 

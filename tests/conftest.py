@@ -20,7 +20,7 @@ from fastcache.worker import CacheWorker
 
 
 def _shm_entries():
-    """fastcache segments, less those of live processes outside this test run (another session's)."""
+    """fastcache segments, less those of live processes outside this test run (another program's)."""
     ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
     entries = set()
     for entry in os.listdir(SHM_DIR):
@@ -36,7 +36,7 @@ def _shm_entries():
 
 
 def _socket_dirs():
-    """Socket directories, less those of live processes outside this test run (another session's)."""
+    """Socket directories, less those of live processes outside this test run (another program's)."""
     ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
     dirs = set()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "fastcache.*")):

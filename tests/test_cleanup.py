@@ -1,4 +1,4 @@
-"""python -m fastcache.tools.cleanup (DESIGN §7): leftovers of a dead deployment go, live ones stay.
+"""python -m fastcache.tools.cleanup (docs/design.md §7): leftovers of a dead deployment go, live ones stay.
 
 A "dead deployment" here is a real process that created segments and a socket directory and was then
 SIGKILLed, so it could not unlink anything.

@@ -1,4 +1,4 @@
-"""Clear and restore around RL weight updates (DESIGN §6) on the sim device."""
+"""Clear and restore around RL weight updates (docs/design.md §6) on the sim device."""
 import os
 import threading
 import time

@@ -1,4 +1,4 @@
-"""Fault tolerance with real processes and random data (DESIGN §5 "a dead transfer manager or worker ...",
+"""Fault tolerance with real processes and random data (docs/design.md §5 "a dead transfer manager or worker ...",
 §7 liveness and clean-up).
 
 Every scenario kills or stops a real process: a transfer manager (SIGKILL, SIGSTOP), a worker process
@@ -374,7 +374,7 @@ def test_sigkill_of_the_engine_children_exit_on_their_own_and_cleanup_removes_on
         assert out.returncode == 0, out.stderr
         listed = {line.split()[2].lstrip("/") for line in out.stdout.splitlines()
                   if line.startswith("removed segment") and info["suffix"] in line}
-        # everything listed was the dead deployment's; (another session's SwapBackend.start() may have
+        # everything listed was the dead deployment's; (another program's SwapBackend.start() may have
         # removed some of it in the meantime, so "listed" can be smaller than "left" on a busy machine)
         assert listed <= left and (listed or not deployment_entries(info["suffix"])), out.stdout
         assert not deployment_entries(info["suffix"])

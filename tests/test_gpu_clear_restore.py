@@ -13,7 +13,7 @@ if not cuda_usable():
     pytest.skip("no usable CUDA GPU", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
-SLACK = 64 << 20      # DESIGN §6: within 64 MiB
+SLACK = 64 << 20      # docs/design.md §6: within 64 MiB
 
 
 def free_bytes():
@@ -32,7 +32,7 @@ def test_clear_returns_gpu_memory_and_restore_takes_it_again():
         k = worker.key_caches[3]
         k.copy_(torch.from_numpy(rng.standard_normal(k.shape, dtype=np.float32)).to(k.device, k.dtype))
         want = k[[7, 9]].clone()
-        torch.cuda.synchronize()     # the engine contract (DESIGN §4): the writing step has finished
+        torch.cuda.synchronize()     # the engine contract (docs/design.md §4): the writing step has finished
         backend.swap_out([7, 9], [0, 1]).result(timeout=30)
         del k
         held = free_bytes()          # cache allocated, every process's CUDA context up

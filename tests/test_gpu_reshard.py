@@ -1,4 +1,4 @@
-"""Liquid resharding on a real GPU (DESIGN §9): ranks sharing the one GPU, worker processes holding torch or
+"""Liquid resharding on a real GPU (docs/design.md §9): ranks sharing the one GPU, worker processes holding torch or
 CuPy caches, head slices moved through CUDA IPC; every live block checked bit for bit after every step, and
 the reshard's GPU copy rate against one cudaMemcpyAsync device-to-device of the same bytes in the same run
 (goal >= 0.8). Marked `gpu`; skipped where no GPU is usable or neither torch nor CuPy is installed."""

@@ -1,4 +1,4 @@
-"""Isolation and request validation (DESIGN §4 "two deployments on one machine never collide", signals
+"""Isolation and request validation (docs/design.md §4 "two deployments on one machine never collide", signals
 mode 0600, socket directory 0700; §5 "invalid requests raise ValueError at submission, before anything
 is sent").
 """

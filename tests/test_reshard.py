@@ -1,4 +1,4 @@
-"""Liquid resharding (DESIGN §9, issue 11) on the sim device: the plan on its own (every head slice lands,
+"""Liquid resharding (docs/design.md §9) on the sim device: the plan on its own (every head slice lands,
 in place, for every tp change, also after a crash mid-chunk), then whole deployments (worker processes and
 in-process workers) resharded 1 -> 2 -> 4 -> 2 -> 1 with every live GPU block and used CPU block checked
 bit for bit, bad requests, and ranks killed or stalled in the middle of a step."""

@@ -1,4 +1,4 @@
-"""Ordering rules of a rank's tasks (DESIGN §4), without processes."""
+"""Ordering rules of a rank's tasks (docs/design.md §4), without processes."""
 import numpy as np
 
 from fastcache.transfer.scheduler import Scheduler, Task

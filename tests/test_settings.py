@@ -1,5 +1,5 @@
 """FASTCACHE_* settings are checked at start: a bad value is refused with its variable named, before
-anything is created or spawned (issue 8, item 7)."""
+anything is created or spawned."""
 import os
 import subprocess
 import sys
@@ -92,7 +92,7 @@ def test_settings_built_in_code_are_checked_too(named, bad):
 
 
 def _created_here():
-    """/dev/shm entries this process created (other sessions may be using /dev/shm meanwhile)."""
+    """/dev/shm entries this process created (other programs may be using /dev/shm meanwhile)."""
     mine = set()
     for entry in os.listdir(SHM_DIR):
         if not entry.startswith("fastcache."):

@@ -1,5 +1,5 @@
 """L3 stores without Mooncake: keys and headers, URLs, the local-directory store, the store tasks on the
-queue, and two deployments sharing blocks through file:///DIR (DESIGN §8)."""
+queue, and two deployments sharing blocks through file:///DIR (docs/design.md §8)."""
 from __future__ import annotations
 
 import dataclasses
@@ -180,7 +180,7 @@ def test_a_tier_without_room_for_the_headers_is_refused(tmp_path, tier):
     s.close()
 
 
-def _object_path(root, k, h):
+def object_path(root, k, h):
     found = [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f == f"{h:016x}.r{k.rank}"]
     assert len(found) == 1, found
     return found[0]
@@ -190,7 +190,7 @@ def _object_path(root, k, h):
 def test_corrupt_or_foreign_object_is_a_miss_never_wrong_bytes(store, tier, tmp_path, damage):
     k = keys()
     store.put(k, as_hashes([5, 6]), np.array([0, 1]))
-    path = _object_path(tmp_path, k, 5)
+    path = object_path(tmp_path, k, 5)
     data = bytearray(open(path, "rb").read())
     if damage == "flip_payload":
         data[17] ^= 0x40
@@ -201,7 +201,7 @@ def test_corrupt_or_foreign_object_is_a_miss_never_wrong_bytes(store, tier, tmp_
     elif damage == "extend":
         data += b"\0"
     elif damage == "foreign":                      # hash 6's whole object, under hash 5's name
-        data = bytearray(open(_object_path(tmp_path, k, 6), "rb").read())
+        data = bytearray(open(object_path(tmp_path, k, 6), "rb").read())
     else:
         data = bytearray()
     open(path, "wb").write(data)
@@ -272,7 +272,7 @@ def test_one_rank_missing_its_object_is_a_miss(tmp_path):
     with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, _):
         cpu = backend.allocate_cpu_blocks(2)
         backend.cpu_to_store("m", [1, 2], cpu).result(timeout=30)
-        os.unlink(_object_path(tmp_path, keys("m", rank=1, tp=2), 2))
+        os.unlink(object_path(tmp_path, keys("m", rank=1, tp=2), 2))
         np.testing.assert_array_equal(backend.store_contains("m", [1, 2]), [True, False])
         with pytest.raises(TransferError, match="rank 1: StoreError.*1 of 2 objects"):
             backend.store_to_cpu("m", [1, 2], cpu).result(timeout=30)

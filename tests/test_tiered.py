@@ -1,4 +1,4 @@
-"""TieredCache (DESIGN §8): prefix reuse over the CPU tier, by block hash.
+"""TieredCache (docs/design.md §8): prefix reuse over the CPU tier, by block hash.
 
 Real deployments check the bytes (every loaded block against bytes derived from its hash, on every
 rank); a fake backend whose tasks the test completes by hand checks the bookkeeping that depends on
@@ -484,7 +484,7 @@ def test_stores_into_a_full_cache_evict_as_many_and_loads_pin_nothing_after(size
 @pytest.mark.parametrize("row", [9, 512, 4096, 32768])
 @pytest.mark.parametrize("ids", ["random", "runs", "one"])
 def test_sim_moves_every_row_at_random_ids_and_in_runs(row, ids):
-    from fastcache.ops.sim import _move
+    from fastcache.ops.sim import move_rows
     rng = np.random.default_rng(row)
     tensors, blocks = 3, 40
     gpu = rng.integers(1, 256, (tensors, blocks, row), dtype=np.uint8)
@@ -497,12 +497,12 @@ def test_sim_moves_every_row_at_random_ids_and_in_runs(row, ids):
         g, c = np.array([7]), np.array([3])
     want_cpu = cpu.copy()
     want_cpu[c] = gpu[:, g].transpose(1, 0, 2)
-    _move(gpu, cpu, g, c, to_cpu=True)
+    move_rows(gpu, cpu, g, c, to_cpu=True)
     np.testing.assert_array_equal(cpu, want_cpu)
     cpu[c] = rng.integers(1, 256, cpu[c].shape, dtype=np.uint8)
     want_gpu = gpu.copy()
     want_gpu[:, g] = cpu[c].transpose(1, 0, 2)
-    _move(gpu, cpu, g, c, to_cpu=False)
+    move_rows(gpu, cpu, g, c, to_cpu=False)
     np.testing.assert_array_equal(gpu, want_gpu)
 
 

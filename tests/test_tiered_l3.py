@@ -1,4 +1,4 @@
-"""TieredCache over an L3 store (DESIGN §8, issue 10), on the local-directory store: write-back and
+"""TieredCache over an L3 store (docs/design.md §8), on the local-directory store: write-back and
 write-through, lookups and loads through the store, fail-closed fetches, a store outage, and a clear.
 test_store_mooncake.py runs the main path against Mooncake."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fastcache import TieredCache, TransferError
 from fastcache.engine.combined import CombinedHandle
 from fastcache.store import fingerprint
 from fastcache.store.keys import ObjectKeys
-from test_store import _object_path
+from test_store import object_path
 
 SPEC = small_spec(num_gpu_blocks=24, num_cpu_blocks=16)
 
@@ -117,7 +117,7 @@ def test_a_corrupt_object_fails_the_load_closed_and_becomes_a_miss(tmp_path):
         cache.store([1, 2], [0, 1]).result(timeout=30)
         cache.store([3, 4], [2, 3]).result(timeout=30)
         assert cache.lookup_tiers([1, 2]) == (2, 2)
-        path = _object_path(tmp_path, ObjectKeys("m", fingerprint(SPEC, 2), 1), 2)
+        path = object_path(tmp_path, ObjectKeys("m", fingerprint(SPEC, 2), 1), 2)
         data = bytearray(open(path, "rb").read())
         data[5] ^= 1                            # a payload byte
         open(path, "wb").write(data)

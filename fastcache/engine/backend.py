@@ -1,35 +1,29 @@
-"""SwapBackend: the engine side of fastcache (DESIGN §1, §4-§7).
+"""SwapBackend: the engine side of fastcache (docs/design.md §1, §4-§7).
 
-It creates the deployment's signals, phase barrier, CPU tiers and task queue, spawns one transfer
-manager per rank and supervises them, turns swap requests into validated tasks, aggregates the ranks'
-reports into one result per task, and drives clear/restore. The submitting thread writes each task to
-the ranks' task sockets itself (under a lock); one I/O thread reads the replies and supervises.
+It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
+validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
+managers (ranks.py), the task channel and its I/O thread (channel.py), store tasks (l3.py) and
+resharding (reshard_phase.py).
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import logging
-import os
-import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
-import psutil
 import zmq
 
 from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
-from ..ipc.protocol import EXIT_REASONS
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.naming import new_suffix, swap_space_name
-from ..ipc.queue import bind_replies, bind_tasks, identity_rank, make_socket_dir, remove_socket_dir
-from ..ipc.shm import SHM_DIR, SharedSegment
+from ..ipc.queue import bind_replies, make_socket_dir, remove_socket_dir
+from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..ops import resolve_device
 from ..ipc.leftovers import remove_dead
@@ -38,17 +32,16 @@ from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
+from .channel import TaskChannel
 from .l3 import StoreTasks
+from .ranks import RankSupervision
 from .reshard_phase import ReshardPhase
 
 log = logging.getLogger("fastcache.engine")
 
-MEMORY_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
-REAP_TIMEOUT = 5.0        # seconds supervision waits for a killed transfer manager to exit
-PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
 
 
-class SwapBackend(StoreTasks, ReshardPhase):
+class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`"""
 
     def __init__(self, spec: CacheSpec, tp_size: int = 1, device: str = "auto", suffix: str | None = None,
@@ -87,7 +80,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         self._warned: set = set()
         self._started = self._closed = False
         self.signals = self.barrier = None
-        self._init_reshard()                        # DESIGN §9 (engine/reshard_phase.py)
+        self._init_reshard()                        # docs/design.md §9 (engine/reshard_phase.py)
 
     # -- start-up --------------------------------------------------------------------------------
     def __enter__(self):
@@ -102,7 +95,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
         remove_dead()
         self._started = True
         try:
-            # room for every tp a reshard can reach (DESIGN §9): the signals and the barrier stay
+            # room for every tp a reshard can reach (docs/design.md §9): the signals and the barrier stay
             self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
@@ -126,11 +119,9 @@ class SwapBackend(StoreTasks, ReshardPhase):
         need = self.tp_size * self.spec.cpu_cache_bytes
         if self.device == "sim":
             need += self.tp_size * self.spec.gpu_cache_bytes
-        have = min(psutil.virtual_memory().available, shutil.disk_usage(SHM_DIR).free) * MEMORY_HEADROOM
-        if need > have:
-            raise ValueError(f"the spec needs {need / 2**30:.2f} GiB of shared memory for {self.tp_size} rank(s) "
-                             f"(CPU tier{' and simulated GPU cache' if self.device == 'sim' else ''}), "
-                             f"but only {have / 2**30:.2f} GiB can be had; lower num_cpu_blocks or num_gpu_blocks")
+        check_shm_room(need, f"the spec, for {self.tp_size} rank(s) (CPU tier"
+                             f"{' and simulated GPU cache' if self.device == 'sim' else ''}; lower num_cpu_blocks or "
+                             f"num_gpu_blocks),")
 
     def _create_swap_spaces(self):
         for rank in range(self.tp_size):
@@ -143,29 +134,6 @@ class SwapBackend(StoreTasks, ReshardPhase):
             if seg is not None:
                 seg.close()
                 self._swap_segments[rank] = None
-
-    def _spawn(self, rank: int, spec: CacheSpec | None = None, tp: int | None = None, device_id: int | None = None):
-        """Start rank's transfer manager (a reshard starts new ranks with the spec and tp they will have)."""
-        spec, tp = spec or self.spec, tp or self.tp_size
-        device_id = self.device_ids[rank] if device_id is None else device_id
-        with self._submit_lock:     # from here on nothing sent for rank can reach an earlier process's pipe
-            incarnation = self._incarnations[rank]
-            self._incarnations[rank] += 1
-            old, self._task_pushes[rank] = self._task_pushes[rank], bind_tasks(
-                self._context, self.socket_dir, rank, incarnation)
-            if old is not None:
-                old.close(0)
-        cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
-               "--device_id", str(device_id), "--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir,
-               "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()), "--device", self.device,
-               "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
-        self._registered[rank] = self._attached[rank] = False
-        self.signals.transfer_heartbeat[rank] = 0
-        self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-    @property
-    def transfer_pids(self) -> list[int]:
-        return [p.pid if p is not None else 0 for p in self._procs[:self.tp_size]]
 
     @property
     def running(self) -> bool:
@@ -261,7 +229,7 @@ class SwapBackend(StoreTasks, ReshardPhase):
     def free_cpu_blocks(self, ids):
         self.allocator.free(ids)
 
-    # -- clear / restore (DESIGN §6) ---------------------------------------------------------------
+    # -- clear / restore (docs/design.md §6) ---------------------------------------------------------------
     def clear_caches(self, timeout: float = 60.0):
         """Release every rank's cache memory; returns once all of it is free (status CLEARED)."""
         with self._phase_lock:
@@ -341,220 +309,6 @@ class SwapBackend(StoreTasks, ReshardPhase):
                 raise TransferError(f"{what} timed out: {self._readiness()}")
             time.sleep(0.001)
 
-    # -- supervision -----------------------------------------------------------------------------
-    def restart_rank(self, rank: int, timeout: float = 30.0):
-        """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a
-        pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec)."""
-        step = self._pending_reshard
-        ranks = len(self._procs) if step is not None else self.tp_size
-        if not 0 <= rank < ranks or self._procs[rank] is None and step is not None:
-            raise ValueError(f"rank {rank} out of range for tp_size {self.tp_size}")
-        proc = self._procs[rank]
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        self._mark_failed(rank, "its transfer manager was restarted", level=logging.INFO)
-        if step is not None and rank >= self.tp_size:      # a rank the pending reshard added
-            self._spawn(rank, spec=step.plan.new_spec, tp=step.to_tp, device_id=step.device_ids[rank])
-        else:
-            self._spawn(rank)
-        with self._handles_lock:        # only now: supervision must never see the old process in service
-            self._failed.pop(rank, None)
-        # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
-        # attached too when the cache is up (in CLEARED it attaches on restore)
-        ready = (lambda: self._attached[rank]) if self.signals.status == NORMAL else (lambda: self._registered[rank])
-        self._wait_signals(ready, time.monotonic() + timeout, f"restart of rank {rank}")
-
-    def _raise_if_failed(self):
-        if self._failed:
-            raise TransferError("; ".join(f"rank {r}: {why}" for r, why in sorted(self._failed.items())))
-
-    def _mark_failed(self, rank: int, why: str, level=logging.ERROR, proc=None):
-        """Take a rank out of service and fail everything it still owes (the I/O thread and a submitting
-        thread may both notice a death: it is logged once). With proc, the process found dead: a check that
-        raced restart_rank, which has put a new process in its place, is ignored."""
-        with self._handles_lock:
-            if proc is not None and (rank >= len(self._procs) or self._procs[rank] is not proc):
-                return
-            first = rank not in self._failed
-            self._failed[rank] = why
-        if first:
-            log.log(level, "rank %d: %s", rank, why)
-        if rank < len(self._attached):
-            self._attached[rank] = False
-        with self._handles_lock:
-            handles = list(self._handles.values())
-        for handle in handles:
-            handle._rank_finished(rank, why)
-        self._forget_done(handles)
-        with self._phase_cond:
-            self._phase_cond.notify_all()
-
-    def _fail_pending(self, why):
-        with self._handles_lock:
-            handles, self._handles = list(self._handles.values()), {}
-        for handle in handles:
-            for rank in handle.pending_ranks():
-                handle._rank_finished(rank, why)
-
-    def _forget_done(self, handles):
-        with self._handles_lock:
-            for handle in handles:
-                if handle.done():
-                    self._handles.pop(handle.task_id, None)
-
-    def _watch_ranks(self):
-        if self._closed:
-            return
-        now = time.time()
-        for rank, proc in enumerate(self._procs):
-            if proc is None or rank in self._failed or self._check_exit(rank):
-                continue
-            beat = float(self.signals.transfer_heartbeat[rank])
-            if beat and now - beat > self.settings.transfer_timeout:
-                # a silent process must not wake up later and write into the cache, and its tasks fail only
-                # once it is gone: until its exit has torn its CUDA context down, a copy it queued may land
-                proc.kill()
-                try:
-                    proc.wait(REAP_TIMEOUT)
-                    gone = "killed it"
-                except subprocess.TimeoutExpired:
-                    gone = f"killed it, but it had not exited {REAP_TIMEOUT:.0f} s later"
-                self._mark_failed(rank, f"transfer manager (pid {proc.pid}) stopped answering "
-                                        f"(no heartbeat for {now - beat:.1f} s); {gone}", proc=proc)
-
-    def _check_exit(self, rank) -> bool:
-        """If rank's transfer manager has exited, take the rank out of service naming its exit status."""
-        proc = self._procs[rank] if rank < len(self._procs) else None      # a reshard may have retired it
-        code = proc.poll() if proc is not None else None
-        if code is None:
-            return False
-        reason = EXIT_REASONS.get(code, "it crashed" if code else "it stopped")
-        if code < 0:
-            reason = f"killed by {signal.Signals(-code).name}"
-        self._mark_failed(rank, f"transfer manager (pid {proc.pid}) exited with status {code}: {reason}", proc=proc)
-        return True
-
-    # -- the I/O thread --------------------------------------------------------------------------
-    def _serve(self):
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        next_watch = 0.0
-        while not self._io_stop.is_set():
-            events = dict(poller.poll(100))
-            if self._router in events:
-                while True:
-                    try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_reply(frames)
-                    except Exception as exc:        # no single message may end this thread
-                        self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
-            if time.monotonic() >= next_watch:
-                self._watch_ranks()
-                next_watch = time.monotonic() + 0.1
-
-    def _send_all(self, message, handle=None):
-        """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
-        the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
-        handle may be done and its blocks reused, and a new process must not copy them late. (The check is
-        sound under the lock: restart_rank fails the old process's tasks before _spawn takes the lock.)"""
-        with self._submit_lock:
-            for rank, push in enumerate(self._task_pushes):
-                if push is None:        # a rank a reshard is adding or retiring
-                    continue
-                if handle is not None and not handle.waits_for(rank):
-                    continue
-                if rank in self._failed:
-                    self._finish(handle, rank, self._failed[rank])
-                    continue
-                if not self._deliver(rank, push, message, command=handle is None):
-                    self._check_exit(rank)
-                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"))
-
-    def _send_to(self, rank, message) -> bool:
-        """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
-        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
-            push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
-            return push is not None and self._deliver(rank, push, message, command=True)
-
-    def _deliver(self, rank, push, message, command: bool) -> bool:
-        """Send on rank's task pipe (under _submit_lock); False if no transfer manager is connected to it.
-        A command for a process that has registered (through the reply socket) but whose pipe zmq has not
-        set up yet, as right after restart_rank in CLEARED, waits for the pipe instead of being lost (its
-        phase would wait out the barrier's timeout). A task never waits: it fails at once instead."""
-        try:
-            push.send_multipart(message, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            pass
-        proc = self._procs[rank] if command and rank < len(self._procs) else None
-        deadline = time.monotonic() + PIPE_TIMEOUT
-        while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.001)
-            try:
-                push.send_multipart(message, zmq.NOBLOCK)
-                return True
-            except zmq.Again:
-                pass
-        return False
-
-    def _finish(self, handle, rank, error=None):
-        if handle is None:
-            return
-        handle._rank_finished(rank, error)
-        if handle.done():
-            with self._handles_lock:
-                self._handles.pop(handle.task_id, None)
-
-    def _reply_for(self, task_id, rank, error=None):
-        with self._handles_lock:
-            handle = self._handles.get(task_id)
-        self._finish(handle, rank, error)
-
-    def _on_reply(self, frames):
-        who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
-        rank = who[0] if who else None
-        procs = self._procs        # during a reshard, ranks above tp_size are in service too
-        if rank is None or not 0 <= rank < len(procs) or procs[rank] is None or who[1] != procs[rank].pid:
-            self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
-            return
-        try:
-            header, _ = protocol.decode(frames[1:])
-        except protocol.ProtocolError as exc:
-            self._warn_once(("malformed", rank), f"rank {rank}: malformed reply dropped: {exc}")
-            return
-        kind = header["type"]
-        if kind == "register":
-            self._registered[rank] = True
-        elif kind == "done":
-            self._reply_for(header["task_id"], rank)
-        elif kind == "failed":
-            self._reply_for(header["task_id"], rank, header["error"])
-        elif kind in ("phase_done", "phase_failed"):
-            if header["phase"] == "attach":
-                if kind == "phase_failed":      # a device error: out of service until restart_rank
-                    self._mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
-                                            f"{header.get('error')}")
-                self._attached[rank] = kind == "phase_done"
-                return
-            with self._phase_cond:
-                acks = self._phase_acks.get(header["phase"])
-                if acks is not None:
-                    acks[rank] = header.get("error")
-                    self._phase_cond.notify_all()
-        elif kind == "error":
-            self._warn_once(("error", rank), f"rank {rank} rejected a message: {header['error']}")
-        else:
-            self._warn_once(("type", rank, kind), f"rank {rank}: unexpected {kind!r} message dropped")
-
-    def _warn_once(self, key, message):
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)
-
     # -- shutdown --------------------------------------------------------------------------------
     def close(self):
         """Stop the transfer managers and remove every segment and socket this deployment created."""
@@ -588,13 +342,3 @@ class SwapBackend(StoreTasks, ReshardPhase):
         remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
         self._close_store()
 
-    def _stop_processes(self, grace: float = 5.0):
-        deadline = time.monotonic() + grace
-        for proc in self._procs:
-            if proc is None:
-                continue
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

@@ -1,4 +1,4 @@
-"""SwapBackend's L3 methods (DESIGN §8): CPU blocks to and from the store, by hash, on every rank.
+"""SwapBackend's L3 methods (docs/design.md §8): CPU blocks to and from the store, by hash, on every rank.
 
 The bytes never pass through the engine: each transfer manager puts or fetches its own rank's slice
 (CPU_TO_STORE, STORE_TO_CPU tasks). The engine only asks the store which objects exist, through a client

@@ -1,4 +1,4 @@
-"""SwapBackend.reshard (DESIGN §9): liquid scale-out and scale-in of a running deployment.
+"""SwapBackend.reshard (docs/design.md §9): liquid scale-out and scale-in of a running deployment.
 
 The step, as the engine drives it (the plan itself is in engine/reshard.py):
 
@@ -22,28 +22,24 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import subprocess
 import time
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
-import psutil
 
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
 from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name
-from ..ipc.shm import SHM_DIR, SharedSegment
+from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
 from ..ipc.manifest import write_json_segment
 from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
 from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
 
 log = logging.getLogger("fastcache.engine")
-
-MEMORY_HEADROOM = 0.9
 
 
 @dataclass
@@ -94,7 +90,7 @@ class ReshardPhase:
     # -- the API -----------------------------------------------------------------------------------
     def reshard(self, tp_size, live_blocks=None, start_workers=None, stop_workers=None, timeout: float = 120.0,
                 *, device_ids=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
-        """Move every live block's KV head slices to the ranks that own them under tp_size (DESIGN §9).
+        """Move every live block's KV head slices to the ranks that own them under tp_size (docs/design.md §9).
 
         Returns (new per-rank CacheSpec, block_map {old GPU id: new GPU id} of the live blocks). The CPU
         tier's used blocks survive too: `last_reshard["cpu_block_map"]` says where they went (the allocator
@@ -162,11 +158,8 @@ class ReshardPhase:
             need += len(plan.fresh) * new.gpu_cache_bytes
             need += sum(plan.staging_bytes_for(r, "gpu") for r in plan.kept)
         need += sum(plan.staging_bytes_for(r, "cpu") for r in plan.kept)
-        have = min(psutil.virtual_memory().available, shutil.disk_usage(SHM_DIR).free) * MEMORY_HEADROOM
-        if need > have:
-            raise ValueError(f"the reshard needs {need / 2**30:.2f} GiB more shared memory (new ranks' CPU tiers"
-                             f"{' and caches' if self.device == 'sim' else ''}, staging), only {have / 2**30:.2f} "
-                             f"GiB can be had")
+        check_shm_room(need, f"the reshard (new ranks' CPU tiers{' and caches' if self.device == 'sim' else ''}, "
+                             f"staging)")
 
     # -- the step ----------------------------------------------------------------------------------
     def _run_reshard(self, step: ReshardStep, timeout: float):

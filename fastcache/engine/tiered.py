@@ -1,4 +1,4 @@
-"""TieredCache: prefix reuse over the CPU tier, addressed by block hash (DESIGN §8).
+"""TieredCache: prefix reuse over the CPU tier, addressed by block hash (docs/design.md §8).
 
 The engine names each full KV block by a chained hash of its tokens. `store` copies GPU blocks into CPU
 blocks the cache owns and indexes them by hash, `lookup` says how many leading hashes of a prompt are
@@ -79,7 +79,7 @@ class TieredCache(L3Tier):
         self._latency = {"store": metrics.Histogram(), "load": metrics.Histogram()}
         self._init_l3(write)
         register = getattr(backend, "register_cache", None)
-        if register is not None:        # a reshard renames the CPU blocks of the entries (DESIGN §9)
+        if register is not None:        # a reshard renames the CPU blocks of the entries (docs/design.md §9)
             register(self)
 
     # -- namespace (model and weight version) ------------------------------------------------------

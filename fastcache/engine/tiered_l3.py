@@ -1,4 +1,4 @@
-"""TieredCache's third tier: the backend's store (DESIGN §8, issue 10), mixed into TieredCache.
+"""TieredCache's third tier: the backend's store (docs/design.md §8), mixed into TieredCache.
 
 - **Write-back** (default): an entry evicted from the CPU tier is put into the store, unless this cache
   knows the store has it (it came from there, or was written there). The put is submitted before the

@@ -37,7 +37,7 @@ def barrier_name(suffix: str) -> str:
 
 
 def reshard_plan_name(suffix: str) -> str:
-    """The current reshard step's JSON (DESIGN §9), written by the engine, read by the workers."""
+    """The current reshard step's JSON (docs/design.md §9), written by the engine, read by the workers."""
     return segment_name(suffix, "reshard")
 
 

@@ -13,7 +13,7 @@ from ..config import check_namespace
 
 SWAP_TO_CPU, SWAP_TO_GPU = "SWAP_TO_CPU", "SWAP_TO_GPU"
 TASK_KINDS = (SWAP_TO_CPU, SWAP_TO_GPU)
-# L3 tasks: a rank's CPU blocks to or from the store, named by hash (DESIGN §8)
+# L3 tasks: a rank's CPU blocks to or from the store, named by hash (docs/design.md §8)
 CPU_TO_STORE, STORE_TO_CPU = "CPU_TO_STORE", "STORE_TO_CPU"
 STORE_KINDS = (CPU_TO_STORE, STORE_TO_CPU)
 ALL_KINDS = TASK_KINDS + STORE_KINDS
@@ -35,7 +35,7 @@ SCHEMAS = {
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
     "error": {"error": str},
-    # a reshard step (DESIGN §9): body is the step's JSON (engine/reshard_phase.py), frames its block maps
+    # a reshard step (docs/design.md §9): body is the step's JSON (engine/reshard_phase.py), frames its block maps
     "reshard": {"step": str, "body": str},
 }
 PHASES = ("attach", "clear", "restore", "reshard_prepare", "reshard_move", "reshard_commit", "reshard_abort")

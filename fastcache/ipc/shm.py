@@ -17,10 +17,20 @@ MAGIC = b"FCSEG001"
 HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start time, payload bytes, suffix
 HEADER_BYTES = mmap.PAGESIZE              # the payload starts on a page: the CUDA tier pins it by whole pages
 SHM_DIR = "/dev/shm"
+SHM_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
 
 
 class SegmentError(RuntimeError):
     """A segment is missing, foreign, or not one of ours."""
+
+
+def check_shm_room(need: int, what: str):
+    """Refuse (ValueError) to plan `need` more bytes of shared memory than RAM and /dev/shm have free."""
+    import shutil
+    have = min(psutil.virtual_memory().available, shutil.disk_usage(SHM_DIR).free) * SHM_HEADROOM
+    if need > have:
+        raise ValueError(f"{what} needs {need / 2**30:.2f} GiB of shared memory, but only {have / 2**30:.2f} GiB "
+                         f"can be had")
 
 
 def process_start_time(pid: int) -> float:

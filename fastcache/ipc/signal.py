@@ -6,7 +6,7 @@ import numpy as np
 from .naming import signal_name
 from .shm import SharedSegment
 
-# kv_cache_status values (FastDeploy's; RESHARDING is fastcache's, DESIGN §9)
+# kv_cache_status values (FastDeploy's; RESHARDING is fastcache's, docs/design.md §9)
 NORMAL, UPDATING, CLEARING, CLEARED, RESHARDING = 0, 1, -1, -2, -3
 STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CLEARED: "CLEARED",
                 RESHARDING: "RESHARDING"}
@@ -52,7 +52,7 @@ SIGNALS = {
     "kv_cache_status": (lambda tp: (1,), np.int32),
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
-    # reshard (DESIGN §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
+    # reshard (docs/design.md §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
     # journal; the attempt is written last, so a reader that sees it new sees the rest new too
     "reshard_state": (lambda tp: (5,), np.int64),
     "reshard_progress": (lambda tp: (tp, 2), np.int64),

@@ -68,7 +68,7 @@ def build_parser():
     g.add_argument("--reshard", metavar="TPS", default=None,
                    help="liquid resharding instead of the swap workload: tp sizes to go through, e.g. 1,2,4,2,1 "
                         "(the first is the starting tp; --num-kv-heads is per rank at it); every block verified "
-                        "after every step (DESIGN §9)")
+                        "after every step (docs/design.md §9)")
     g.add_argument("--reshard-cycles", type=int, default=2, help="times to go through the --reshard tp sizes")
     g.add_argument("--inject-corruption", action="store_true",
                    help="flip one byte behind fastcache's back, to see a check fail (exit status 1)")

@@ -1,4 +1,4 @@
-"""Liquid resharding under a verifying workload (DESIGN §9): `python -m fastcache.launch --reshard 1,2,4,2,1`.
+"""Liquid resharding under a verifying workload (docs/design.md §9): `python -m fastcache.launch --reshard 1,2,4,2,1`.
 
 One worker process and one transfer manager per rank, as in a real deployment. Between steps: random data
 written into live GPU blocks, swaps out to the CPU tier and back in elsewhere. After every step: every live

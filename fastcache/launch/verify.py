@@ -6,7 +6,7 @@ of every rank through swaps. `HashBytes`: bytes derived from a block hash, so a 
 The block named by hash h holds, on rank r, a window of a fixed random pool chosen by a 64-bit mix of
 (h, r), XORed with that mix: random-looking, non-zero in practice, different for every hash and every
 rank (a rank that received another rank's slice, or a block that received another block, shows). The
-image of a block is its block-major CPU layout (DESIGN §3): every tensor's row at its cpu_offset.
+image of a block is its block-major CPU layout (docs/design.md §3): every tensor's row at its cpu_offset.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The cuda device's part of a reshard (DESIGN §9): head slices move GPU to GPU through CUDA IPC.
+"""The cuda device's part of a reshard (docs/design.md §9): head slices move GPU to GPU through CUDA IPC.
 
 Worker side: the staging buffer is a framework allocation beside the cache (at most 256 MiB), exported by
 IPC handle, so that it outlives a transfer manager that dies mid-chunk; the cache's tensors are re-viewed

@@ -100,12 +100,12 @@ class SimCopier(Copier):
     def swap_out(self, gpu_ids, cpu_ids):
         for gpu, cpu, keep in self._plan(gpu_ids):
             g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])   # draft layers
-            _move(gpu, cpu, g, c, to_cpu=True)          # blocks a draft layer lacks keep their old CPU bytes
+            move_rows(gpu, cpu, g, c, to_cpu=True)          # blocks a draft layer lacks keep their old CPU bytes
 
     def swap_in(self, gpu_ids, cpu_ids):
         for gpu, cpu, keep in self._plan(gpu_ids):
             g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])
-            _move(gpu, cpu, g, c, to_cpu=False)
+            move_rows(gpu, cpu, g, c, to_cpu=False)
 
     def close(self):
         self._groups = []       # drop the views, so detaching the cache really unmaps it
@@ -122,7 +122,7 @@ RUN_MIN_ROW_BYTES = 4096
 CHUNK_BYTES = 1 << 20
 
 
-def _move(gpu, cpu, g, c, to_cpu):
+def move_rows(gpu, cpu, g, c, to_cpu):
     """Copy rows of GPU view [tensors, blocks, bytes] blocks g to CPU view [blocks, tensors, bytes] blocks c
     (or back)."""
     n = len(g)

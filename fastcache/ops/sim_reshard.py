@@ -1,4 +1,4 @@
-"""The sim device's part of a reshard (DESIGN §9): every rank's memory as flat byte views of shared memory.
+"""The sim device's part of a reshard (docs/design.md §9): every rank's memory as flat byte views of shared memory.
 
 Worker side: a staging buffer in shared memory (so that a transfer manager that dies mid-chunk can be
 replaced and rewrite the chunk from it), and the cache's tensors re-viewed in the new shape at the same

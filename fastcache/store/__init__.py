@@ -1,4 +1,4 @@
-"""L3 stores (DESIGN §8): one rank's CPU blocks as objects outside the deployment, in Mooncake Store
+"""L3 stores (docs/design.md §8): one rank's CPU blocks as objects outside the deployment, in Mooncake Store
 (`mooncake://HOST:PORT`) or a local directory (`file:///DIR`). The transfer managers use them; the engine
 only asks what exists."""
 from .base import BlockStore, StoreError

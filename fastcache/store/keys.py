@@ -74,7 +74,7 @@ class ObjectKeys:
         self.prefix = f"fastcache/{namespace}/{fingerprint}/"
 
     def name(self, h: int) -> str:
-        """Mooncake key; it begins with namespace and fingerprint, as DESIGN §8 asks."""
+        """Mooncake key; it begins with namespace and fingerprint, as docs/design.md §8 asks."""
         return f"{self.prefix}{int(h):016x}/r{self.rank}"
 
     def header(self, h: int, payload) -> bytes:

@@ -1,4 +1,4 @@
-"""python -m fastcache.tools.bench: how fast each copy method moves KV blocks on one GPU (DESIGN §2).
+"""python -m fastcache.tools.bench: how fast each copy method moves KV blocks on one GPU (docs/design.md §2).
 
 For each block size, a cache of --layers layers (K and V) filled with random bytes, and --blocks random,
 non-contiguous block ids:

@@ -70,13 +70,13 @@ class TransferManager:
         self.fail_attach = self.settings.injected_fault("fail_attach", rank)
         self.tasks_seen = self.attaches_tried = 0
         self.attach_error = None        # set when an attach failed; cleared by the next restore
-        self.l3 = StoreIO(store, rank) if store else None      # L3 tasks (DESIGN §8), one thread per direction
+        self.l3 = StoreIO(store, rank) if store else None      # L3 tasks (docs/design.md §8), one thread per direction
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> int:
         for t in self.threads:
             t.start()
-        self._send("register", rank=self.rank, pid=os.getpid())
+        self.send("register", rank=self.rank, pid=os.getpid())
         poller = zmq.Poller()
         poller.register(self.tasks, zmq.POLLIN)
         poller.register(self.done_pull, zmq.POLLIN)
@@ -115,23 +115,23 @@ class TransferManager:
         if self.phase in ("running", "restoring"):
             self._try_attach()
         if self.phase == "clearing" and not self.scheduler:
-            self._detach()
-            self._phase_barrier("clear", next_phase="cleared")
+            self.detach()
+            self.pass_phase_barrier("clear", next_phase="cleared")
         elif self.phase == "restoring" and self.cache is not None and self.swap is not None:
-            self._phase_barrier(self.restore_phase, next_phase="running")
+            self.pass_phase_barrier(self.restore_phase, next_phase="running")
 
-    def _phase_barrier(self, phase, next_phase):
+    def pass_phase_barrier(self, phase, next_phase):
         try:
             self.barrier.wait(transfer_party(self.rank), self.settings.phase_timeout)
         except BrokenBarrierError as exc:
             log.error("rank %d: %s barrier broke: %s", self.rank, phase, exc)
             self.phase = {"restore": "running", "clear": "cleared"}.get(phase, "resharding")
-            self._send("phase_failed", phase=phase, rank=self.rank, error=str(exc))
+            self.send("phase_failed", phase=phase, rank=self.rank, error=str(exc))
             return
         self.phase = next_phase
-        self._send("phase_done", phase=phase, rank=self.rank)
+        self.send("phase_done", phase=phase, rank=self.rank)
         if phase in ("restore", "reshard_commit", "reshard_abort"):
-            self._send("phase_done", phase="attach", rank=self.rank)
+            self.send("phase_done", phase="attach", rank=self.rank)
 
     # -- attach / detach -------------------------------------------------------------------------
     def _try_attach(self):
@@ -145,7 +145,7 @@ class TransferManager:
             self._detach_cache()
             self.attach_error = str(exc)[:protocol.MAX_ERROR_CHARS]
             log.error("rank %d: attach failed: %s", self.rank, self.attach_error)
-            self._send("phase_failed", phase="attach", rank=self.rank, error=self.attach_error)
+            self.send("phase_failed", phase="attach", rank=self.rank, error=self.attach_error)
             if self.phase == "restoring":      # break the restore barrier now instead of letting it time out
                 self.barrier.abort(transfer_party(self.rank))
                 self.phase = "running"
@@ -174,7 +174,7 @@ class TransferManager:
             self.copier = self.ops.copier(self.cache, self.swap, self.spec)
             log.info("rank %d: attached %d tensors", self.rank, len(self.infos))
             if self.phase == "running":
-                self._send("phase_done", phase="attach", rank=self.rank)
+                self.send("phase_done", phase="attach", rank=self.rank)
 
     def _detach_cache(self):
         copier, cache, self.copier, self.cache = self.copier, self.cache, None, None
@@ -183,7 +183,7 @@ class TransferManager:
         if cache is not None:
             cache.close()
 
-    def _detach(self):
+    def detach(self):
         self._detach_cache()
         if self.release_swap and self.swap is not None:
             if self.l3 is not None:
@@ -203,7 +203,7 @@ class TransferManager:
                 header, ids = protocol.decode(frames)
             except protocol.ProtocolError as exc:
                 log.warning("rank %d: malformed message: %s", self.rank, exc)
-                self._send("error", error=str(exc)[:protocol.MAX_ERROR_CHARS])
+                self.send("error", error=str(exc)[:protocol.MAX_ERROR_CHARS])
                 continue
             kind = header["type"]
             if kind == "task":
@@ -220,7 +220,7 @@ class TransferManager:
             elif kind == "stop":
                 return "stop"
             else:
-                self._send("error", error=f"unexpected message type {kind!r} for a transfer manager")
+                self.send("error", error=f"unexpected message type {kind!r} for a transfer manager")
 
     def _on_task(self, header, ids):
         task_id = header["task_id"]
@@ -229,7 +229,7 @@ class TransferManager:
                 raise ValueError(f"rank {self.rank} has no cache attached (phase {self.phase})")
             protocol.check_ids(ids[0], ids[1], header["kind"], self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
         except ValueError as exc:
-            self._send("failed", task_id=task_id, rank=self.rank, error=str(exc))
+            self.send("failed", task_id=task_id, rank=self.rank, error=str(exc))
             return
         self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1])))
 
@@ -242,7 +242,7 @@ class TransferManager:
                 raise ValueError(f"rank {self.rank} has no CPU tier attached (phase {self.phase})")
             protocol.check_ids(ids[1], ids[1], protocol.SWAP_TO_CPU, self.spec.num_cpu_blocks, self.spec.num_cpu_blocks)
         except ValueError as exc:
-            self._send("failed", task_id=task_id, rank=self.rank, error=str(exc))
+            self.send("failed", task_id=task_id, rank=self.rank, error=str(exc))
             return
         self._dispatch(self.scheduler.add(store_task(header, *ids)))
 
@@ -270,7 +270,7 @@ class TransferManager:
             self.queued[task.kind] -= 1
             self._finished(task, frames[1:])
 
-    def _send(self, type_, **fields):
+    def send(self, type_, **fields):
         self.sock.send_multipart(protocol.encode(type_, **fields))
 
     # -- executors (one thread per direction) ----------------------------------------------------
@@ -317,7 +317,7 @@ class TransferManager:
             if thread.ident is not None:        # started (run() was called)
                 thread.join(timeout=5)
         self.release_swap = True
-        self._detach()
+        self.detach()
         if self.l3 is not None:
             self.l3.close()
         self.sock.close(0)

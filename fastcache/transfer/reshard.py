@@ -1,4 +1,4 @@
-"""A transfer manager's part in a reshard (DESIGN §9): the steps the engine sends it.
+"""A transfer manager's part in a reshard (docs/design.md §9): the steps the engine sends it.
 
 - prepare: finish the tasks in flight, meet everyone at the phase barrier (the old layout stays attached).
 - move: let go of the cache and the CPU tier, then run this rank's part of the plan: compaction of its old
@@ -74,7 +74,7 @@ class ReshardRunner:
             body, plan = decode_step(header, ids)
         except ValueError as exc:
             phase = "reshard_move" if step == "move" else f"reshard_{step}"
-            m._send("phase_failed", phase=phase, rank=m.rank, error=str(exc)[:protocol.MAX_ERROR_CHARS])
+            m.send("phase_failed", phase=phase, rank=m.rank, error=str(exc)[:protocol.MAX_ERROR_CHARS])
             return
         if step == "prepare":
             m.phase = "reshard_prepare"         # _advance meets the barrier once no task is in flight
@@ -85,7 +85,7 @@ class ReshardRunner:
                 spec = CacheSpec.from_json(body["new_spec"])
                 tp = int(body["to_tp"])
             except (KeyError, ValueError, TypeError) as exc:
-                m._send("phase_failed", phase="reshard_commit", rank=m.rank, error=f"bad commit: {exc}")
+                m.send("phase_failed", phase="reshard_commit", rank=m.rank, error=f"bad commit: {exc}")
                 return
             self._detach_all()
             m.spec, m.tp_size, m.infos = spec, tp, spec.tensors(m.rank, m.device_id)
@@ -99,7 +99,7 @@ class ReshardRunner:
         m = self.m
         if m.phase == "reshard_prepare":
             if not m.scheduler:
-                m._phase_barrier("reshard_prepare", next_phase="resharding")
+                m.pass_phase_barrier("reshard_prepare", next_phase="resharding")
             return True
         return m.phase == "resharding"
 
@@ -112,7 +112,7 @@ class ReshardRunner:
         m = self.m
         saved, m.release_swap = m.release_swap, True
         try:
-            m._detach()
+            m.detach()
         finally:
             m.release_swap = saved
 
@@ -142,12 +142,12 @@ class ReshardRunner:
                 memory.close()
         except Exception as exc:        # a failed step fails this rank's part, never the process
             log.error("rank %d: reshard %s failed: %s", m.rank, role, exc)
-            m._send("phase_failed", phase="reshard_move", rank=m.rank,
+            m.send("phase_failed", phase="reshard_move", rank=m.rank,
                     error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
             return
         log.info("rank %d: reshard %s done in %.3f s (plan %.3f s, programs and copies %.3f s)", m.rank, role,
                  time.perf_counter() - start + planned, planned, copying)
-        m._send("phase_done", phase="reshard_move", rank=m.rank)
+        m.send("phase_done", phase="reshard_move", rank=m.rank)
 
 
 TEST_PACE = "FASTCACHE_TEST_RESHARD_PACE"     # RANK:SECONDS, tests only: rank sleeps after every copy and flush

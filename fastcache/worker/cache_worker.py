@@ -49,7 +49,7 @@ class CacheWorker:
         self._stop = threading.Event()
         self._thread = None
         self.signals = self.barrier = None
-        self._reshard = ReshardFollower(self)       # DESIGN §9: follows reshard steps on the watch thread
+        self._reshard = ReshardFollower(self)       # docs/design.md §9: follows reshard steps on the watch thread
 
     # -- the tensors -----------------------------------------------------------------------------
     def _tensors(self, kind):
@@ -69,7 +69,7 @@ class CacheWorker:
         """Allocate and export the cache, set cache_ready[r]=1, and start beating."""
         self.signals = DeploymentSignals(self.suffix, self.tp_size)
         self.barrier = phase_barrier(self.suffix, self.tp_size)
-        self.barrier.register(self._party)
+        self.barrier.register(self.party)
         self._allocate()
         self._heartbeat = Heartbeat(self.signals.worker_heartbeat, self.rank, self.settings.heartbeat_interval)
         self._heartbeat.start()
@@ -79,17 +79,29 @@ class CacheWorker:
         return self
 
     @property
-    def _party(self):
+    def party(self):
+        """This worker's slot in the phase barrier."""
         return worker_party(self.barrier.capacity, self.rank)
 
     def _allocate(self):
         self.generation += 1
         self._cache = self.ops.allocate(self.spec, self.rank, self.device_id, self.framework, self.suffix,
                                         self.generation)
+        self._publish()
+        self.signals.cache_ready[self.rank] = 1
+
+    def reshape(self, spec):
+        """Take a reshard's geometry: the tensors re-viewed in `spec`'s shape over the same memory, and
+        exported again."""
+        self.ops.reshape(self._cache, spec, self.rank, self.device_id, self.framework)
+        self.spec = spec
+        self._publish()
+
+    def _publish(self):
+        self._by_kind = {}
         for info in self.spec.tensors(self.rank, self.device_id):
             self._by_kind.setdefault(info.kind, []).append(self._cache.tensors[info.name])
         self._export()
-        self.signals.cache_ready[self.rank] = 1
 
     def _export(self):
         """Publish the cache's manifest (again, after a reshard re-viewed the tensors)."""
@@ -110,7 +122,7 @@ class CacheWorker:
         self.signals.cache_ready[self.rank] = 0     # only now is the memory really free
 
     def _watch(self):
-        """Follow kv_cache_status through clear and restore (DESIGN §6): take part once in every attempt
+        """Follow kv_cache_status through clear and restore (docs/design.md §6): take part once in every attempt
         at a phase (the barrier's epoch counts the engine's attempts), whatever an earlier one left."""
         done = None         # (status, epoch) this worker has already taken part in
         while not self._stop.wait(0.005):
@@ -124,12 +136,12 @@ class CacheWorker:
             try:
                 if attempt[0] == CLEARING:
                     # free only once every transfer manager has dropped its mappings
-                    self.barrier.wait(self._party, self.settings.phase_timeout)
+                    self.barrier.wait(self.party, self.settings.phase_timeout)
                     self._release()
                 else:
                     if self._cache is None:
                         self._allocate()
-                    self.barrier.wait(self._party, self.settings.phase_timeout)
+                    self.barrier.wait(self.party, self.settings.phase_timeout)
             except Exception as exc:    # a failed phase leaves the cache as it is; the engine reports it
                 log.error("rank %d: %s failed (%s); keeping the cache as it is", self.rank,
                           "clear" if attempt[0] == CLEARING else "restore", exc)

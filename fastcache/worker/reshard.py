@@ -1,4 +1,4 @@
-"""A worker's part in a reshard (DESIGN §9), run on its watch thread while kv_cache_status is RESHARDING.
+"""A worker's part in a reshard (docs/design.md §9), run on its watch thread while kv_cache_status is RESHARDING.
 
 The engine publishes the step in the reshard_state signal ([sequence, stage, from tp, to tp, attempt]) and
 its details in the reshard plan segment (JSON). A worker takes part once in every attempt at a stage (the
@@ -61,10 +61,10 @@ class ReshardFollower:
                 self._abort()
         except Exception as exc:
             log.error("rank %d: reshard %s failed: %s", w.rank, STAGE_NAMES[stage], exc)
-            w.barrier.abort(w._party)       # everyone learns at once, naming this worker
+            w.barrier.abort(w.party)       # everyone learns at once, naming this worker
             return
         try:
-            w.barrier.wait(w._party, w.settings.phase_timeout)
+            w.barrier.wait(w.party, w.settings.phase_timeout)
         except Exception as exc:        # a failed stage leaves the cache as it is; the engine reports it
             log.error("rank %d: reshard %s failed: %s", w.rank, STAGE_NAMES[stage], exc)
 
@@ -88,12 +88,7 @@ class ReshardFollower:
             raise ValueError(f"reshard plan {plan.get('seq')} is not step {seq}")
         spec, tp = CacheSpec.from_json(plan["new_spec"]), int(plan["to_tp"])
         if kept and w.spec != spec:
-            w.ops.reshape(w._cache, spec, w.rank, w.device_id, w.framework)
-            w.spec = spec
-            w._by_kind = {}
-            for info in spec.tensors(w.rank, w.device_id):
-                w._by_kind.setdefault(info.kind, []).append(w._cache.tensors[info.name])
-            w._export()
+            w.reshape(spec)
         w.spec, w.tp_size = spec, tp
         w.signals.resize(tp)
         self.release()
@@ -102,7 +97,7 @@ class ReshardFollower:
     def _abort(self):
         w = self.w
         self.release()
-        if w._cache is not None:
+        if w.ready:
             w.signals.cache_ready[w.rank] = 1
 
     @staticmethod

@@ -1,0 +1,142 @@
+"""SwapBackend's task channel (docs/design.md §4): the submitting thread writes each task or command to the
+ranks' task pipes (under a lock, in submission order); one I/O thread reads the replies, completes the
+handles rank by rank, records phase acknowledgements, and calls supervision every 100 ms.
+
+A mixin of SwapBackend. The state it owns: `_context`, `_router`, `_task_pushes`, `_handles`,
+`_phase_acks`, `_warned` and the I/O thread; replies are accepted only from the process supervision
+spawned for a rank.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from ..ipc import protocol
+from ..ipc.queue import identity_rank
+
+log = logging.getLogger("fastcache.engine")
+
+PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
+
+
+class TaskChannel:
+    def _serve(self):
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        next_watch = 0.0
+        while not self._io_stop.is_set():
+            events = dict(poller.poll(100))
+            if self._router in events:
+                while True:
+                    try:
+                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._on_reply(frames)
+                    except Exception as exc:        # no single message may end this thread
+                        self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
+            if time.monotonic() >= next_watch:
+                self._watch_ranks()
+                next_watch = time.monotonic() + 0.1
+
+    def _send_all(self, message, handle=None):
+        """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
+        the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
+        handle may be done and its blocks reused, and a new process must not copy them late. (The check is
+        sound under the lock: restart_rank fails the old process's tasks before _spawn takes the lock.)"""
+        with self._submit_lock:
+            for rank, push in enumerate(self._task_pushes):
+                if push is None:        # a rank a reshard is adding or retiring
+                    continue
+                if handle is not None and not handle.waits_for(rank):
+                    continue
+                if rank in self._failed:
+                    self._finish(handle, rank, self._failed[rank])
+                    continue
+                if not self._deliver(rank, push, message, command=handle is None):
+                    self._check_exit(rank)
+                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"))
+
+    def _send_to(self, rank, message) -> bool:
+        """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
+        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
+            push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
+            return push is not None and self._deliver(rank, push, message, command=True)
+
+    def _deliver(self, rank, push, message, command: bool) -> bool:
+        """Send on rank's task pipe (under _submit_lock); False if no transfer manager is connected to it.
+        A command for a process that has registered (through the reply socket) but whose pipe zmq has not
+        set up yet, as right after restart_rank in CLEARED, waits for the pipe instead of being lost (its
+        phase would wait out the barrier's timeout). A task never waits: it fails at once instead."""
+        try:
+            push.send_multipart(message, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            pass
+        proc = self._procs[rank] if command and rank < len(self._procs) else None
+        deadline = time.monotonic() + PIPE_TIMEOUT
+        while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+            try:
+                push.send_multipart(message, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+        return False
+
+    def _finish(self, handle, rank, error=None):
+        if handle is None:
+            return
+        handle._rank_finished(rank, error)
+        if handle.done():
+            with self._handles_lock:
+                self._handles.pop(handle.task_id, None)
+
+    def _reply_for(self, task_id, rank, error=None):
+        with self._handles_lock:
+            handle = self._handles.get(task_id)
+        self._finish(handle, rank, error)
+
+    def _on_reply(self, frames):
+        who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
+        rank = who[0] if who else None
+        procs = self._procs        # during a reshard, ranks above tp_size are in service too
+        if rank is None or not 0 <= rank < len(procs) or procs[rank] is None or who[1] != procs[rank].pid:
+            self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
+            return
+        try:
+            header, _ = protocol.decode(frames[1:])
+        except protocol.ProtocolError as exc:
+            self._warn_once(("malformed", rank), f"rank {rank}: malformed reply dropped: {exc}")
+            return
+        kind = header["type"]
+        if kind == "register":
+            self._registered[rank] = True
+        elif kind == "done":
+            self._reply_for(header["task_id"], rank)
+        elif kind == "failed":
+            self._reply_for(header["task_id"], rank, header["error"])
+        elif kind in ("phase_done", "phase_failed"):
+            if header["phase"] == "attach":
+                if kind == "phase_failed":      # a device error: out of service until restart_rank
+                    self._mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
+                                            f"{header.get('error')}")
+                self._attached[rank] = kind == "phase_done"
+                return
+            with self._phase_cond:
+                acks = self._phase_acks.get(header["phase"])
+                if acks is not None:
+                    acks[rank] = header.get("error")
+                    self._phase_cond.notify_all()
+        elif kind == "error":
+            self._warn_once(("error", rank), f"rank {rank} rejected a message: {header['error']}")
+        else:
+            self._warn_once(("type", rank, kind), f"rank {rank}: unexpected {kind!r} message dropped")
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
