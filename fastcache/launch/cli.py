@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 
 import numpy as np
 
 from ..config import CACHE_DTYPES, CacheSpec, Settings
 from ..engine import SwapBackend
-from ..ipc.naming import PREFIX
-from ..ipc.shm import SHM_DIR
 from ..ops import resolve_device, round_robin_devices
 from ..ops.frameworks import FRAMEWORKS
 from ..store import StoreError, parse_store_url
 from ..store.service import store_for_run
-from .harness import start_workers, stop_workers, wait_until_ready
+from .harness import conclude, start_workers, stop_workers, wait_until_ready
 from .liquid import parse_tps, run_liquid
 from .verify import Checks, Verifier
 from .workload import measure, prefix_reuse, rl_cycles, run_workload, store_round
@@ -187,11 +183,4 @@ def run(backend, args, spec, device, framework, rng, checks, report, workers) ->
             checks.check(False, f"workload aborted: {type(exc).__name__}: {exc}")
         finally:
             stop_workers(workers)
-    leftovers = [e for e in os.listdir(SHM_DIR) if e.startswith(f"{PREFIX}.{suffix}.")]
-    checks.check(not leftovers, f"nothing left in /dev/shm (found {leftovers})")
-    report["checks_passed"], report["checks_failed"] = checks.passed, checks.failed
-    print_report(report, checks)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0 if not checks.failed else 1
+    return conclude(report, checks, suffix, args.json, print_report)

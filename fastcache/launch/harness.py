@@ -2,6 +2,7 @@
 processes started, awaited and stopped, and what a deployment holds in /dev/shm."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,15 +12,17 @@ from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
 
 
+def start_worker(backend, rank: int, tp: int, spec, framework: str, device_id: int) -> subprocess.Popen:
+    """One `python -m fastcache.worker` for rank of backend's deployment."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fastcache.worker", "--rank", str(rank), "--tp", str(tp), "--suffix", backend.suffix,
+         "--spec", spec.to_json(), "--engine-pid", str(os.getpid()), "--device", backend.device,
+         "--framework", framework, "--device-id", str(device_id)], stdin=subprocess.DEVNULL)
+
+
 def start_workers(backend, args, framework):
-    procs = []
-    for rank in range(backend.tp_size):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "fastcache.worker", "--rank", str(rank), "--tp", str(backend.tp_size),
-             "--suffix", backend.suffix, "--spec", backend.spec.to_json(), "--engine-pid", str(os.getpid()),
-             "--device", backend.device, "--framework", framework, "--device-id", str(backend.device_ids[rank])],
-            stdin=subprocess.DEVNULL))
-    return procs
+    return [start_worker(backend, rank, backend.tp_size, backend.spec, framework, backend.device_ids[rank])
+            for rank in range(backend.tp_size)]
 
 
 def wait_until_ready(backend, workers, timeout):
@@ -64,22 +67,10 @@ class WorkerProcesses:
         tp = step.to_tp if step is not None else b.tp_size
         device_ids = step.device_ids if step is not None else b.device_ids
         for r in ranks:
-            self.procs[r] = subprocess.Popen(
-                [sys.executable, "-m", "fastcache.worker", "--rank", str(r), "--tp", str(tp), "--suffix", b.suffix,
-                 "--spec", spec.to_json(), "--engine-pid", str(os.getpid()), "--device", b.device,
-                 "--framework", self.framework, "--device-id", str(device_ids[r])], stdin=subprocess.DEVNULL)
+            self.procs[r] = start_worker(b, r, tp, spec, self.framework, device_ids[r])
 
     def stop(self, ranks):
-        procs = [self.procs.pop(r) for r in ranks if r in self.procs]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_workers([self.procs.pop(r) for r in ranks if r in self.procs])
 
     def close(self):
         self.stop(sorted(self.procs))
@@ -95,3 +86,16 @@ def shm_bytes(suffix: str) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+def conclude(report: dict, checks, suffix: str, json_path: str | None, print_report) -> int:
+    """The end of a launcher run: nothing of the deployment may be left in /dev/shm; the report printed (and
+    written as JSON); exit status 0 only if every check passed."""
+    leftovers = [e for e in os.listdir(SHM_DIR) if e.startswith(f"{PREFIX}.{suffix}.")]
+    checks.check(not leftovers, f"nothing left in /dev/shm (found {leftovers})")
+    report["checks_passed"], report["checks_failed"] = checks.passed, checks.failed
+    print_report(report, checks)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if not checks.failed else 1

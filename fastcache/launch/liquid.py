@@ -21,7 +21,7 @@ from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
 from ..ops import get_ops, round_robin_devices
 from ..reshard_plan import least
-from .harness import WorkerProcesses, shm_bytes, wait_until_ready
+from .harness import WorkerProcesses, conclude, shm_bytes, wait_until_ready
 
 
 def full_rows(rows_per_rank):
@@ -379,7 +379,6 @@ def parse_tps(text: str, cycles: int, heads_per_rank: int | None = None) -> list
 
 def run_liquid(backend, args, framework, rng, checks, report) -> int:
     """The launcher's --reshard mode: a deployment of worker processes resharded through args.reshard."""
-    import json as _json
 
     with backend:
         suffix = backend.suffix
@@ -396,14 +395,7 @@ def run_liquid(backend, args, framework, rng, checks, report) -> int:
             checks.check(False, f"workload aborted: {type(exc).__name__}: {exc}")
         finally:
             workers.close()
-    leftovers = [e for e in os.listdir(SHM_DIR) if e.startswith(f"{PREFIX}.{suffix}.")]
-    checks.check(not leftovers, f"nothing left in /dev/shm (found {leftovers})")
-    report["checks_passed"], report["checks_failed"] = checks.passed, checks.failed
-    print_liquid(report, checks)
-    if args.json:
-        with open(args.json, "w") as f:
-            _json.dump(report, f, indent=2)
-    return 0 if not checks.failed else 1
+    return conclude(report, checks, suffix, args.json, print_liquid)
 
 
 def print_liquid(report, checks):
