@@ -1,4 +1,5 @@
-"""A Mooncake Store on this machine: a master and one memory server, on free loopback ports.
+"""A Mooncake Store on this machine: a master and one memory server, on free ports of one address
+(loopback unless `host` names another of this machine's addresses).
 
 Tests, `python -m fastcache.launch --store mooncake` and the trace tool start one for their run. The
 memory server is Mooncake's own `mooncake_client` (shipped in the wheel): it lends `segment_mb` of its
@@ -34,9 +35,9 @@ def mooncake_binary(name: str) -> str:
     raise StoreError(f"Mooncake's {name} binary is missing from the installed package")
 
 
-def free_port() -> int:
+def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -44,9 +45,9 @@ def _die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
 
 
-def _listening(port: int) -> bool:
+def _listening(host: str, port: int) -> bool:
     try:
-        socket.create_connection((LOOPBACK, port), 0.2).close()
+        socket.create_connection((host, port), 0.2).close()
         return True
     except OSError:
         return False
@@ -55,15 +56,15 @@ def _listening(port: int) -> bool:
 class MooncakeService:
     """`with MooncakeService(segment_mb=256) as svc: SwapBackend(..., store=svc.url)`"""
 
-    def __init__(self, segment_mb: int = 256, start_timeout: float = 30.0):
-        self.segment_mb, self.start_timeout = segment_mb, start_timeout
+    def __init__(self, segment_mb: int = 256, start_timeout: float = 30.0, host: str = LOOPBACK):
+        self.segment_mb, self.start_timeout, self.host = segment_mb, start_timeout, host
         self.master = self.server = None
         self.port = self.metrics_port = self.server_port = None
         self.log_dir = None
 
     @property
     def url(self) -> str:
-        return f"mooncake://{LOOPBACK}:{self.port}"
+        return f"mooncake://{self.host}:{self.port}"
 
     def __enter__(self):
         return self.start()
@@ -73,13 +74,13 @@ class MooncakeService:
 
     def start(self):
         self.log_dir = tempfile.mkdtemp(prefix="mooncake-service-")
-        self.port, self.metrics_port, self.server_port = free_port(), free_port(), free_port()
+        self.port, self.metrics_port, self.server_port = (free_port(self.host) for _ in range(3))
         try:
             self.start_master()
             self.server = self._spawn("server", [
-                mooncake_binary("mooncake_client"), f"--master_server_address={LOOPBACK}:{self.port}",
+                mooncake_binary("mooncake_client"), f"--master_server_address={self.host}:{self.port}",
                 "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.segment_mb << 20}",
-                f"--host={LOOPBACK}", f"--port={self.server_port}", "--protocol=tcp", "--logtostderr"])
+                f"--host={self.host}", f"--port={self.server_port}", "--protocol=tcp", "--logtostderr"])
             self._wait_listening(self.server, self.server_port, "memory server")
         except BaseException:
             self.stop()
@@ -89,7 +90,7 @@ class MooncakeService:
     def start_master(self):
         """Start (or restart, after kill_master) the master on the same port."""
         self.master = self._spawn("master", [
-            mooncake_binary("mooncake_master"), f"--rpc_port={self.port}", f"--rpc_address={LOOPBACK}",
+            mooncake_binary("mooncake_master"), f"--rpc_port={self.port}", f"--rpc_address={self.host}",
             f"--metrics_port={self.metrics_port}", f"--metrics_host={LOOPBACK}",
             "--enable_metric_reporting=false", "--logtostderr"])
         self._wait_listening(self.master, self.port, "master")
@@ -101,14 +102,14 @@ class MooncakeService:
             self.master = None
 
     def _spawn(self, name, cmd):
-        env = {**os.environ, "MC_FORCE_TCP": "true", "MC_TCP_BIND_ADDRESS": LOOPBACK}
+        env = {**os.environ, "MC_FORCE_TCP": "true", "MC_TCP_BIND_ADDRESS": self.host}
         with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=_die_with_parent)
 
     def _wait_listening(self, proc, port, what):
         deadline = time.monotonic() + self.start_timeout
-        while not _listening(port):
+        while not _listening(self.host, port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise StoreError(f"Mooncake {what} did not start on port {port}: {self.log_tail(what)}")
             time.sleep(0.02)
