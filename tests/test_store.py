@@ -212,6 +212,37 @@ def test_corrupt_or_foreign_object_is_a_miss_never_wrong_bytes(store, tier, tmp_
     np.testing.assert_array_equal(tier[10], tier[1])
 
 
+def _directory_in_place_of(path, rng):
+    """A directory tree where an object file belongs, holding random files (nothing an object could be)."""
+    os.makedirs(os.path.join(path, "sub"))
+    for name in ("a", os.path.join("sub", "b")):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(rng.bytes(int(rng.integers(1, 4096))))
+
+
+def test_a_directory_where_an_object_belongs_is_a_miss_and_is_removed(store, tier, tmp_path):
+    """Not a store failure that every later fetch of the key repeats: a corrupt object, a miss that
+    removes it, so that the next put of the key writes the object."""
+    rng = np.random.default_rng(29)
+    k = keys()
+    h5 = int(rng.integers(0, 2**63))
+    h6 = h5 ^ 1
+    hashes = as_hashes([h5, h6])
+    store.put(k, hashes, np.array([0, 1]))
+    path = object_path(tmp_path, k, h5)
+    os.unlink(path)
+    _directory_in_place_of(path, rng)
+    assert not store.get(k, as_hashes([h5]), np.array([9])).any()       # a miss, not a StoreError
+    assert not os.path.lexists(path) and not store.exists(k, as_hashes([h5])).any()     # removed
+    assert store.get(k, as_hashes([h6]), np.array([10])).all()          # its neighbour is untouched
+    np.testing.assert_array_equal(tier[10], tier[1])
+    tier[2] = rng.integers(0, 256, tier.shape[1], dtype=np.uint8)
+    store.put(k, as_hashes([h5]), np.array([2]))                         # the next put writes the object
+    assert os.path.isfile(path)
+    assert store.get(k, as_hashes([h5]), np.array([11])).all()
+    np.testing.assert_array_equal(tier[11], tier[2])
+
+
 def test_a_writer_killed_during_a_put_leaves_no_object(tmp_path):
     """The writer dies between writing its temporary file and renaming it: nothing is visible, and the
     next store opened on the directory removes the orphaned temporary file."""
