@@ -243,6 +243,22 @@ def test_a_directory_where_an_object_belongs_is_a_miss_and_is_removed(store, tie
     np.testing.assert_array_equal(tier[11], tier[2])
 
 
+def test_a_put_replaces_a_directory_where_its_object_belongs(store, tier, tmp_path):
+    """A put that comes before any fetch of the key: it writes the object, as it does over a corrupt file."""
+    rng = np.random.default_rng(31)
+    k = keys()
+    h = int(rng.integers(0, 2**63))
+    store.put(k, as_hashes([h]), np.array([0]))
+    path = object_path(tmp_path, k, h)
+    os.unlink(path)
+    _directory_in_place_of(path, rng)
+    tier[3] = rng.integers(0, 256, tier.shape[1], dtype=np.uint8)
+    store.put(k, as_hashes([h]), np.array([3]))
+    assert os.path.isfile(path) and os.listdir(tmp_path / "l3" / "tmp") == []
+    assert store.get(k, as_hashes([h]), np.array([12])).all()
+    np.testing.assert_array_equal(tier[12], tier[3])
+
+
 def test_a_writer_killed_during_a_put_leaves_no_object(tmp_path):
     """The writer dies between writing its temporary file and renaming it: nothing is visible, and the
     next store opened on the directory removes the orphaned temporary file."""

@@ -65,10 +65,17 @@ class FileStore(BlockStore):
                 finally:
                     os.close(fd)
                 os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-                os.replace(tmp, final)          # atomic: readers see the old object or the new one
+                try:
+                    os.replace(tmp, final)      # atomic: readers see the old object or the new one
+                except IsADirectoryError:       # no object: replaced, as a corrupt one is
+                    self._remove_directory(final)
+                    os.replace(tmp, final)
             except OSError as exc:
                 _unlink(tmp)
                 raise StoreError(f"store {self.url}: writing {final} failed: {exc}") from None
+            except StoreError:
+                _unlink(tmp)
+                raise
         return 0                    # a full disk is an error here: nothing evicts to make room
 
     def get(self, keys, hashes, cpu_ids):
