@@ -93,7 +93,8 @@ def test_header_names_every_field_it_checks():
 
 
 @pytest.mark.parametrize("url", ["file:///tmp/x", "mooncake://127.0.0.1:50051", "mooncake://host:1?protocol=rdma&device=mlx5_0",
-                                 "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2", "mooncake://h:5?batch_mb=8"])
+                                 "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2", "mooncake://h:5?batch_mb=8",
+                                 "mooncake://h:65535", "mooncake://h:1"])
 def test_good_store_urls(url):
     assert parse_store_url(url).url == url
 
@@ -104,6 +105,22 @@ def test_good_store_urls(url):
 def test_bad_store_urls(url):
     with pytest.raises(ValueError):
         parse_store_url(url)
+
+
+@pytest.mark.parametrize("url,named", [
+    ("mooncake://h:0", "port"), ("mooncake://[::1]:0", "port"), ("mooncake://h:00", "port"),
+    ("mooncake://h:65536", "port"), ("mooncake://h:-1", "port"), ("mooncake://h:fifty", "port")])
+def test_a_bad_store_url_is_refused_naming_what_is_wrong(url, named):
+    """One ValueError when the URL is parsed (SwapBackend's construction), naming the port or the option,
+    instead of an error later in the transfer managers that does not."""
+    with pytest.raises(ValueError) as err:
+        parse_store_url(url)
+    assert f"{url!r}: {named} " in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_bad_store_url_is_refused_by_the_backend_before_anything_starts():
+    with pytest.raises(ValueError, match="'mooncake://h:0': port "):
+        SwapBackend(SPEC, tp_size=1, device="sim", store="mooncake://h:0")
 
 
 # -- the store task on the wire -------------------------------------------------------------------------

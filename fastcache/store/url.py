@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 from .base import BlockStore
 
 MOONCAKE_OPTIONS = ("protocol", "device", "local_hostname", "segment_mb", "batch_mb")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,12 @@ def parse_store_url(url) -> StoreURL:
     if parts.scheme == "mooncake":
         try:
             port = parts.port
-        except ValueError:
-            port = None
+        except ValueError:          # not a number, or above 65535
+            port = -1
         if not parts.hostname or port is None or parts.path not in ("", "/"):
             raise ValueError(f"store {url!r}: expected mooncake://HOST:PORT (the master's address)")
+        if not 1 <= port <= MAX_PORT:
+            raise ValueError(f"store {url!r}: port must be a number from 1 to {MAX_PORT} (the master's port)")
         options = dict(parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)))
         unknown = set(options) - set(MOONCAKE_OPTIONS)
         if unknown:
