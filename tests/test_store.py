@@ -94,7 +94,8 @@ def test_header_names_every_field_it_checks():
 
 @pytest.mark.parametrize("url", ["file:///tmp/x", "mooncake://127.0.0.1:50051", "mooncake://host:1?protocol=rdma&device=mlx5_0",
                                  "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2", "mooncake://h:5?batch_mb=8",
-                                 "mooncake://h:65535", "mooncake://h:1"])
+                                 "mooncake://h:65535?segment_mb=0&batch_mb=1", "mooncake://h:1",
+                                 f"mooncake://h:5?segment_mb={1 << 30}"])
 def test_good_store_urls(url):
     assert parse_store_url(url).url == url
 
@@ -109,7 +110,18 @@ def test_bad_store_urls(url):
 
 @pytest.mark.parametrize("url,named", [
     ("mooncake://h:0", "port"), ("mooncake://[::1]:0", "port"), ("mooncake://h:00", "port"),
-    ("mooncake://h:65536", "port"), ("mooncake://h:-1", "port"), ("mooncake://h:fifty", "port")])
+    ("mooncake://h:65536", "port"), ("mooncake://h:-1", "port"), ("mooncake://h:fifty", "port"),
+    ("mooncake://h:5?segment_mb=-1", "segment_mb"), ("mooncake://h:5?segment_mb=lots", "segment_mb"),
+    ("mooncake://h:5?segment_mb=", "segment_mb"), ("mooncake://h:5?segment_mb=1.5", "segment_mb"),
+    ("mooncake://h:5?segment_mb=1e3", "segment_mb"), ("mooncake://h:5?segment_mb=+64", "segment_mb"),
+    ("mooncake://h:5?segment_mb=%C2%B2", "segment_mb"), ("mooncake://h:5?segment_mb=\u0665", "segment_mb"),
+    (f"mooncake://h:5?segment_mb={(1 << 30) + 1}", "segment_mb"),
+    pytest.param("mooncake://h:5?segment_mb=" + "9" * 5000, "segment_mb", id="segment_mb-5000-digits"),
+    ("mooncake://h:5?batch_mb=0", "batch_mb"), ("mooncake://h:5?batch_mb=-8", "batch_mb"),
+    ("mooncake://h:5?batch_mb=eight", "batch_mb"), ("mooncake://h:5?batch_mb=\u00b2", "batch_mb"),
+    ("mooncake://h:5?batch_mb=%EF%BC%98", "batch_mb"), ("mooncake://h:5?batch_mb", "batch_mb"),
+    pytest.param("mooncake://h:5?batch_mb=" + "9" * 5000, "batch_mb", id="batch_mb-5000-digits"),
+    ("mooncake://h:5?batch_mb=8&batch_mb=x", "batch_mb"), ("mooncake://h:5?segment_mb=x&segment_mb=8", "segment_mb")])
 def test_a_bad_store_url_is_refused_naming_what_is_wrong(url, named):
     """One ValueError when the URL is parsed (SwapBackend's construction), naming the port or the option,
     instead of an error later in the transfer managers that does not."""
@@ -121,6 +133,18 @@ def test_a_bad_store_url_is_refused_naming_what_is_wrong(url, named):
 def test_a_bad_store_url_is_refused_by_the_backend_before_anything_starts():
     with pytest.raises(ValueError, match="'mooncake://h:0': port "):
         SwapBackend(SPEC, tp_size=1, device="sim", store="mooncake://h:0")
+
+
+def test_store_url_sizes_reach_the_store_in_bytes(monkeypatch):
+    from fastcache.store import mooncake
+    opened = []
+    monkeypatch.setattr(mooncake, "MooncakeStore", lambda *args, **kwargs: opened.append(kwargs))
+    rng = np.random.default_rng(37)
+    for _ in range(20):
+        segment, batch = int(rng.integers(0, (1 << 30) + 1)), int(rng.integers(1, (1 << 30) + 1))
+        zeros = "0" * int(rng.choice([0, 1, 5000]))      # leading zeros, even more than int() takes
+        open_store(f"mooncake://h:5?segment_mb={zeros}{segment}&batch_mb={zeros}{batch}")
+        assert (opened[-1]["segment_bytes"], opened[-1]["batch_bytes"]) == (segment << 20, batch << 20)
 
 
 # -- the store task on the wire -------------------------------------------------------------------------
