@@ -184,6 +184,9 @@ def _check_int(name, value, minimum):
 
 COPY_METHODS = ("staged", "kernel", "batch", "memcpy")    # implemented by fastcache/ops/cuda.py
 MIN_HEARTBEAT_INTERVAL = 0.01     # seconds; below it the beat thread (which also checks its peers) spins
+# seconds; a longer timeout is a typo or a way of saying "never", and waits on it can overflow (threading
+# refuses timeouts above threading.TIMEOUT_MAX, about 292 years)
+MAX_TIMEOUT = 86400.0
 _BOOLS = {"0": False, "false": False, "no": False, "off": False,
           "1": True, "true": True, "yes": True, "on": True}
 
@@ -196,7 +199,8 @@ def _whole(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-_SECONDS = (lambda v: _number(v) and v > 0, "must be a positive number of seconds")
+_SECONDS = (lambda v: _number(v) and 0 < v <= MAX_TIMEOUT,
+            f"must be a positive number of seconds, at most {MAX_TIMEOUT:g} (a day)")
 _FAULT = (lambda v: v is None or (isinstance(v, tuple) and len(v) == 2 and all(_whole(x) for x in v)
                                   and v[0] >= 0 and v[1] >= 1),
           "must be RANK:N with N >= 1 (fault injection, for tests)")

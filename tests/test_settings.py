@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fastcache import Settings, SwapBackend
@@ -15,6 +16,8 @@ from conftest import small_spec
 ALL = ("HEARTBEAT_INTERVAL", "WORKER_TIMEOUT", "TRANSFER_TIMEOUT", "PHASE_TIMEOUT", "CLEAR_SWAP_SPACE",
        "COPY_METHOD", "INLINE_BYTES", "STAGING_MB", "KERNEL_BLOCKS", "FAIL_EVERY", "FAIL_ATTACH")
 
+TIMEOUTS = ("WORKER_TIMEOUT", "TRANSFER_TIMEOUT", "PHASE_TIMEOUT")
+
 BAD = [
     ("HEARTBEAT_INTERVAL", "0"), ("HEARTBEAT_INTERVAL", "-1"), ("HEARTBEAT_INTERVAL", "0.0001"),
     ("HEARTBEAT_INTERVAL", "fast"), ("HEARTBEAT_INTERVAL", "nan"),
@@ -23,6 +26,7 @@ BAD = [
     ("WORKER_TIMEOUT", "0.5"),                    # below the default 1 s heartbeat interval
     ("TRANSFER_TIMEOUT", "-1"), ("TRANSFER_TIMEOUT", "0"), ("TRANSFER_TIMEOUT", "1"),   # 1 == the interval
     ("PHASE_TIMEOUT", "0"), ("PHASE_TIMEOUT", "-60"), ("PHASE_TIMEOUT", "a minute"),
+    *((name, value) for name in TIMEOUTS for value in ("1e308", "86401", "inf", "-inf", "nan")),   # a day at most
     ("CLEAR_SWAP_SPACE", "2"), ("CLEAR_SWAP_SPACE", "maybe"),
     ("COPY_METHOD", "teleport"), ("COPY_METHOD", "Staged"), ("COPY_METHOD", "staged,kernel"),
     ("INLINE_BYTES", "-1"), ("INLINE_BYTES", "4MiB"), ("INLINE_BYTES", "1.5"),
@@ -62,6 +66,21 @@ def test_good_values_are_accepted(monkeypatch):
     assert s.injected_fault("fail_attach", 0) == 1
 
 
+@pytest.mark.parametrize("name", TIMEOUTS)
+def test_a_timeout_is_at_most_a_day(monkeypatch, name):
+    """Up to a day is a timeout; beyond it a typo or a way of saying "never", which waits would overflow on."""
+    rng = np.random.default_rng(41)
+    for seconds in (86400, *rng.uniform(1.5, 86400, 20)):
+        monkeypatch.setenv(f"FASTCACHE_{name}", repr(float(seconds)))
+        assert getattr(Settings.from_env(), name.lower()) == seconds
+    for seconds in (86400.5, *10 ** rng.uniform(np.log10(86401), 308, 20)):
+        monkeypatch.setenv(f"FASTCACHE_{name}", repr(float(seconds)))
+        with pytest.raises(ValueError, match=f"^FASTCACHE_{name}=.*at most 86400"):
+            Settings.from_env()
+        with pytest.raises(ValueError, match=f"^FASTCACHE_{name}=.*at most 86400"):
+            Settings(**{name.lower(): float(seconds)})
+
+
 def test_unset_or_empty_means_the_default(monkeypatch):
     monkeypatch.setenv("FASTCACHE_TRANSFER_TIMEOUT", "")
     assert Settings.from_env() == Settings()
@@ -85,7 +104,9 @@ def test_clear_swap_space_spellings(monkeypatch, value, expected):
     ("HEARTBEAT_INTERVAL", dict(heartbeat_interval=0)),
     ("WORKER_TIMEOUT", dict(heartbeat_interval=5, worker_timeout=5)),
     ("COPY_METHOD", dict(copy_method="dma")), ("INLINE_BYTES", dict(inline_bytes=-1)),
-    ("KERNEL_BLOCKS", dict(kernel_blocks=True)), ("STAGING_MB", dict(staging_mb="32"))])
+    ("KERNEL_BLOCKS", dict(kernel_blocks=True)), ("STAGING_MB", dict(staging_mb="32")),
+    ("PHASE_TIMEOUT", dict(phase_timeout=1e308)), ("TRANSFER_TIMEOUT", dict(transfer_timeout=float("inf"))),
+    ("WORKER_TIMEOUT", dict(worker_timeout=float("nan")))])
 def test_settings_built_in_code_are_checked_too(named, bad):
     with pytest.raises(ValueError, match=f"FASTCACHE_{named}="):
         Settings(**bad)

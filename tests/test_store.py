@@ -93,7 +93,9 @@ def test_header_names_every_field_it_checks():
 
 
 @pytest.mark.parametrize("url", ["file:///tmp/x", "mooncake://127.0.0.1:50051", "mooncake://host:1?protocol=rdma&device=mlx5_0",
-                                 "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2", "mooncake://h:5?batch_mb=8"])
+                                 "mooncake://[::1]:5?segment_mb=64&local_hostname=10.0.0.2", "mooncake://h:5?batch_mb=8",
+                                 "mooncake://h:65535?segment_mb=0&batch_mb=1", "mooncake://h:1",
+                                 f"mooncake://h:5?segment_mb={1 << 30}"])
 def test_good_store_urls(url):
     assert parse_store_url(url).url == url
 
@@ -104,6 +106,45 @@ def test_good_store_urls(url):
 def test_bad_store_urls(url):
     with pytest.raises(ValueError):
         parse_store_url(url)
+
+
+@pytest.mark.parametrize("url,named", [
+    ("mooncake://h:0", "port"), ("mooncake://[::1]:0", "port"), ("mooncake://h:00", "port"),
+    ("mooncake://h:65536", "port"), ("mooncake://h:-1", "port"), ("mooncake://h:fifty", "port"),
+    ("mooncake://h:5?segment_mb=-1", "segment_mb"), ("mooncake://h:5?segment_mb=lots", "segment_mb"),
+    ("mooncake://h:5?segment_mb=", "segment_mb"), ("mooncake://h:5?segment_mb=1.5", "segment_mb"),
+    ("mooncake://h:5?segment_mb=1e3", "segment_mb"), ("mooncake://h:5?segment_mb=+64", "segment_mb"),
+    ("mooncake://h:5?segment_mb=%C2%B2", "segment_mb"), ("mooncake://h:5?segment_mb=\u0665", "segment_mb"),
+    (f"mooncake://h:5?segment_mb={(1 << 30) + 1}", "segment_mb"),
+    pytest.param("mooncake://h:5?segment_mb=" + "9" * 5000, "segment_mb", id="segment_mb-5000-digits"),
+    ("mooncake://h:5?batch_mb=0", "batch_mb"), ("mooncake://h:5?batch_mb=-8", "batch_mb"),
+    ("mooncake://h:5?batch_mb=eight", "batch_mb"), ("mooncake://h:5?batch_mb=\u00b2", "batch_mb"),
+    ("mooncake://h:5?batch_mb=%EF%BC%98", "batch_mb"), ("mooncake://h:5?batch_mb", "batch_mb"),
+    pytest.param("mooncake://h:5?batch_mb=" + "9" * 5000, "batch_mb", id="batch_mb-5000-digits"),
+    ("mooncake://h:5?batch_mb=8&batch_mb=x", "batch_mb"), ("mooncake://h:5?segment_mb=x&segment_mb=8", "segment_mb")])
+def test_a_bad_store_url_is_refused_naming_what_is_wrong(url, named):
+    """One ValueError when the URL is parsed (SwapBackend's construction), naming the port or the option,
+    instead of an error later in the transfer managers that does not."""
+    with pytest.raises(ValueError) as err:
+        parse_store_url(url)
+    assert f"{url!r}: {named} " in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+def test_a_bad_store_url_is_refused_by_the_backend_before_anything_starts():
+    with pytest.raises(ValueError, match="'mooncake://h:0': port "):
+        SwapBackend(SPEC, tp_size=1, device="sim", store="mooncake://h:0")
+
+
+def test_store_url_sizes_reach_the_store_in_bytes(monkeypatch):
+    from fastcache.store import mooncake
+    opened = []
+    monkeypatch.setattr(mooncake, "MooncakeStore", lambda *args, **kwargs: opened.append(kwargs))
+    rng = np.random.default_rng(37)
+    for _ in range(20):
+        segment, batch = int(rng.integers(0, (1 << 30) + 1)), int(rng.integers(1, (1 << 30) + 1))
+        zeros = "0" * int(rng.choice([0, 1, 5000]))      # leading zeros, even more than int() takes
+        open_store(f"mooncake://h:5?segment_mb={zeros}{segment}&batch_mb={zeros}{batch}")
+        assert (opened[-1]["segment_bytes"], opened[-1]["batch_bytes"]) == (segment << 20, batch << 20)
 
 
 # -- the store task on the wire -------------------------------------------------------------------------
@@ -210,6 +251,53 @@ def test_corrupt_or_foreign_object_is_a_miss_never_wrong_bytes(store, tier, tmp_
     assert not store.exists(k, as_hashes([5])).any()               # so it is removed
     assert store.get(k, as_hashes([6]), np.array([10])).all()       # its neighbour is untouched
     np.testing.assert_array_equal(tier[10], tier[1])
+
+
+def _directory_in_place_of(path, rng):
+    """A directory tree where an object file belongs, holding random files (nothing an object could be)."""
+    os.makedirs(os.path.join(path, "sub"))
+    for name in ("a", os.path.join("sub", "b")):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(rng.bytes(int(rng.integers(1, 4096))))
+
+
+def test_a_directory_where_an_object_belongs_is_a_miss_and_is_removed(store, tier, tmp_path):
+    """Not a store failure that every later fetch of the key repeats: a corrupt object, a miss that
+    removes it, so that the next put of the key writes the object."""
+    rng = np.random.default_rng(29)
+    k = keys()
+    h5 = int(rng.integers(0, 2**63))
+    h6 = h5 ^ 1
+    hashes = as_hashes([h5, h6])
+    store.put(k, hashes, np.array([0, 1]))
+    path = object_path(tmp_path, k, h5)
+    os.unlink(path)
+    _directory_in_place_of(path, rng)
+    assert not store.get(k, as_hashes([h5]), np.array([9])).any()       # a miss, not a StoreError
+    assert not os.path.lexists(path) and not store.exists(k, as_hashes([h5])).any()     # removed
+    assert store.get(k, as_hashes([h6]), np.array([10])).all()          # its neighbour is untouched
+    np.testing.assert_array_equal(tier[10], tier[1])
+    tier[2] = rng.integers(0, 256, tier.shape[1], dtype=np.uint8)
+    store.put(k, as_hashes([h5]), np.array([2]))                         # the next put writes the object
+    assert os.path.isfile(path)
+    assert store.get(k, as_hashes([h5]), np.array([11])).all()
+    np.testing.assert_array_equal(tier[11], tier[2])
+
+
+def test_a_put_replaces_a_directory_where_its_object_belongs(store, tier, tmp_path):
+    """A put that comes before any fetch of the key: it writes the object, as it does over a corrupt file."""
+    rng = np.random.default_rng(31)
+    k = keys()
+    h = int(rng.integers(0, 2**63))
+    store.put(k, as_hashes([h]), np.array([0]))
+    path = object_path(tmp_path, k, h)
+    os.unlink(path)
+    _directory_in_place_of(path, rng)
+    tier[3] = rng.integers(0, 256, tier.shape[1], dtype=np.uint8)
+    store.put(k, as_hashes([h]), np.array([3]))
+    assert os.path.isfile(path) and os.listdir(tmp_path / "l3" / "tmp") == []
+    assert store.get(k, as_hashes([h]), np.array([12])).all()
+    np.testing.assert_array_equal(tier[12], tier[3])
 
 
 def test_a_writer_killed_during_a_put_leaves_no_object(tmp_path):

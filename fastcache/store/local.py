@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
 from urllib.parse import quote
 
 import numpy as np
@@ -64,10 +65,17 @@ class FileStore(BlockStore):
                 finally:
                     os.close(fd)
                 os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
-                os.replace(tmp, final)          # atomic: readers see the old object or the new one
+                try:
+                    os.replace(tmp, final)      # atomic: readers see the old object or the new one
+                except IsADirectoryError:       # no object: replaced, as a corrupt one is
+                    self._remove_directory(final)
+                    os.replace(tmp, final)
             except OSError as exc:
                 _unlink(tmp)
                 raise StoreError(f"store {self.url}: writing {final} failed: {exc}") from None
+            except StoreError:
+                _unlink(tmp)
+                raise
         return 0                    # a full disk is an error here: nothing evicts to make room
 
     def get(self, keys, hashes, cpu_ids):
@@ -83,12 +91,27 @@ class FileStore(BlockStore):
                     whole = n == len(row) and len(header) == HEADER_BYTES
             except FileNotFoundError:
                 continue
+            except IsADirectoryError:   # a directory is no object: corrupt, removed so that a put can write it
+                self._remove_directory(path)
+                continue
             except OSError as exc:
                 raise StoreError(f"store {self.url}: reading {path} failed: {exc}") from None
             hits[i] = whole and keys.matches(h, header, row)
             if not hits[i]:         # foreign or corrupt: removed, so that lookups stop counting it
                 _unlink(path)
         return hits
+
+    def _remove_directory(self, path):
+        try:
+            if os.path.islink(path):        # a link to a directory: the link is what stands in the way
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
+        except FileNotFoundError:           # another reader removed it first
+            pass
+        except OSError as exc:
+            raise StoreError(f"store {self.url}: {path} is a directory where an object belongs, and removing "
+                             f"it failed: {exc}") from None
 
     def exists(self, keys, hashes):
         base = self._dir(keys)

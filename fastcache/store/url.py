@@ -4,17 +4,22 @@ Mooncake options (all optional): `protocol=tcp|rdma`, `device=mlx5_0,mlx5_1` (RD
 `local_hostname=ADDR` (the address other hosts reach this process on; 127.0.0.1 only works on one
 machine), `segment_mb=N` (memory this process lends to the pool; 0, the default, lends none and leaves
 the objects to the store's own memory servers, so they outlive a deployment), `batch_mb=N` (the most
-one Mooncake call moves, default 256; a larger task goes in parts).
+one Mooncake call moves, default 256; a larger task goes in parts). Sizes are whole MiB up to MAX_MB; the
+master's port is 1 to 65535. A bad value is refused when the URL is parsed, naming the port or option.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
 from .base import BlockStore
 
 MOONCAKE_OPTIONS = ("protocol", "device", "local_hostname", "segment_mb", "batch_mb")
+# options in MiB -> the least allowed
+MIB_OPTIONS = {"segment_mb": 0, "batch_mb": 1}
+MAX_MB = 1 << 30            # 1 PiB: beyond any machine's memory, and its bytes fit a 64-bit count
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -37,23 +42,47 @@ def parse_store_url(url) -> StoreURL:
     if parts.scheme == "mooncake":
         try:
             port = parts.port
-        except ValueError:
-            port = None
+        except ValueError:          # not a number, or above 65535
+            port = -1
         if not parts.hostname or port is None or parts.path not in ("", "/"):
             raise ValueError(f"store {url!r}: expected mooncake://HOST:PORT (the master's address)")
-        options = dict(parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)))
+        if not 1 <= port <= MAX_PORT:
+            raise ValueError(f"store {url!r}: port must be a number from 1 to {MAX_PORT} (the master's port)")
+        options = _options(url, parts.query)
         unknown = set(options) - set(MOONCAKE_OPTIONS)
         if unknown:
             raise ValueError(f"store {url!r}: unknown options {sorted(unknown)}; known: {', '.join(MOONCAKE_OPTIONS)}")
         if options.get("protocol", "tcp") not in ("tcp", "rdma"):
             raise ValueError(f"store {url!r}: protocol must be tcp or rdma")
-        if not options.get("segment_mb", "0").isdigit():
-            raise ValueError(f"store {url!r}: segment_mb must be a whole number of MiB")
-        if not options.get("batch_mb", "1").isdigit() or int(options.get("batch_mb", "1")) < 1:
-            raise ValueError(f"store {url!r}: batch_mb must be a whole number of MiB >= 1")
+        for name, least in MIB_OPTIONS.items():
+            if name in options:
+                options[name] = str(_mib(url, name, options[name], least))
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return StoreURL(url, "mooncake", f"{host}:{port}", options)
     raise ValueError(f"store {url!r}: expected mooncake://HOST:PORT or file:///DIR")
+
+
+def _options(url, query) -> dict:
+    """The NAME=VALUE options of a query, each given at most once."""
+    for field in query.split("&") if query else ():
+        if "=" not in field:
+            what = f"{unquote_plus(field)} has no value" if field else "an option is empty"
+            raise ValueError(f"store {url!r}: {what}; options are NAME=VALUE joined by &")
+    pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    options = {}
+    for name, value in pairs:
+        if name in options:
+            raise ValueError(f"store {url!r}: {name} is given twice")
+        options[name] = value
+    return options
+
+
+def _mib(url, name, text, least) -> int:
+    """A size option: a whole number of MiB from `least` to MAX_MB, in ASCII digits."""
+    digits = text.lstrip("0") or "0"    # int() refuses more than 4300 digits, with a message naming no option
+    if text.isascii() and text.isdigit() and len(digits) <= len(str(MAX_MB)) and least <= int(digits) <= MAX_MB:
+        return int(digits)
+    raise ValueError(f"store {url!r}: {name} must be a whole number of MiB from {least} to {MAX_MB}, got {text!r}")
 
 
 def open_store(url) -> BlockStore:
