@@ -19,6 +19,7 @@ from conftest import deployment, round_trip, small_spec
 from fastcache import TransferError
 from fastcache.store import ObjectKeys, StoreError, as_hashes, fingerprint, open_store
 from fastcache.store import mooncake as mooncake_store
+from fastcache.store.keys import HEADER_BYTES
 from fastcache.store.service import MooncakeService, free_port
 from store_peer import run_peer
 from test_store import kill_during_put
@@ -281,3 +282,35 @@ def test_a_full_store_skips_puts_instead_of_failing_them():
         tier[held] = 0
         backend.store_to_cpu("full", [hashes[i] for i in held], held).result(timeout=60)
         np.testing.assert_array_equal(tier[held], want[held])
+
+
+def test_sealed_objects_round_trip_in_parts_hold_no_plaintext_and_a_forgery_is_a_miss(service, raw, tmp_path,
+                                                                                       monkeypatch):
+    """With a deployment key (docs/design.md §12) puts go through registered staging in parts, two at a
+    time; what a plain client reads is ciphertext, and what it writes under our keys is a miss, removed."""
+    from fastcache.store import seal
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(seal.KEY_BYTES))
+    key.chmod(0o600)
+    monkeypatch.setattr(mooncake_store, "SEAL_BYTES", 3 * SPEC.cpu_block_stride)   # parts of 3 objects
+    blocks = np.random.default_rng(11).integers(1, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_stride), np.uint8)
+    s = open_store(f"{service.url}?key_file={key}")
+    try:
+        s.attach(blocks, SPEC.cpu_block_bytes)
+        k = ObjectKeys(unique("sealed"), fingerprint(SPEC, 1), 0, s.sealer)
+        hashes = as_hashes(range(300, 310))
+        want = s.tier[:10].copy()
+        assert s.put(k, hashes, np.arange(10)) == 0
+        np.testing.assert_array_equal(s.tier[:10], want)                     # the CPU tier keeps plaintext
+        stored = bytes(raw.get(k.name(300)))
+        assert len(stored) == SPEC.cpu_block_bytes + HEADER_BYTES
+        assert want[0].tobytes()[:64] not in stored                           # the store sees no plaintext
+        s.tier[10:20] = 0
+        assert s.get(k, hashes, np.arange(10, 20)).all()
+        np.testing.assert_array_equal(s.tier[10:20], want)
+        forged = keys(k.namespace).object(400, want[3])                        # a valid plain object
+        assert raw.put(k.name(400), forged) == 0
+        assert not s.get(k, as_hashes([400]), np.array([25])).any()
+        assert raw.is_exist(k.name(400)) != 1                                 # removed
+    finally:
+        s.close()

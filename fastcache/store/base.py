@@ -26,6 +26,7 @@ MISS = "L3 miss"
 class BlockStore(ABC):
     url: str
     blocks = tier = headers = None      # the attached CPU tier (see attach)
+    sealer = None                       # seal.Sealer when the URL names a deployment key (key_file)
 
     def attach(self, blocks: np.ndarray, block_bytes: int):
         """The rank's CPU tier, uint8 [num_cpu_blocks, cpu_block_stride]: each row a block of `block_bytes`,

@@ -65,8 +65,9 @@ def checksum(payload) -> int:
 class ObjectKeys:
     """The keys and headers of one rank's objects in one namespace and geometry."""
 
-    def __init__(self, namespace: str, fingerprint: str, rank: int):
+    def __init__(self, namespace: str, fingerprint: str, rank: int, sealer=None):
         self.namespace = check_namespace(namespace)
+        self.sealer = sealer            # store.seal.Sealer: objects sealed under the deployment key
         self.fingerprint = fingerprint
         self.rank = rank
         self._fp = bytes.fromhex(fingerprint)
@@ -84,8 +85,28 @@ class ObjectKeys:
         out[:HEADER_BYTES] = np.frombuffer(self.header(h, payload), np.uint8)
 
     def object(self, h: int, payload) -> bytes:
-        """The whole object of hash h as a store holds it: the payload, then its header."""
-        return bytes(payload) + self.header(h, payload)
+        """The whole object of hash h as a store holds it: the payload (sealed with a key), then its header."""
+        out = np.empty(len(payload) + HEADER_BYTES, np.uint8)
+        self.write_object(out, h, payload)
+        return out.tobytes()
+
+    def write_object(self, out: np.ndarray, h: int, payload):
+        """Lay the object of hash h into out (len(payload) + HEADER_BYTES bytes). Without a key, out may be
+        the CPU block and its slot themselves: only the header is written."""
+        n = len(payload)
+        if self.sealer is not None:
+            self.sealer.seal(out, self.rank, int(h), payload, self._fp, self._ns)
+            return
+        if out[:n].ctypes.data != payload.ctypes.data:
+            out[:n] = payload
+        self.write_header(out[n:], h, payload)
+
+    def open(self, h: int, header, payload) -> bool:
+        """Is this fetched object (payload, header) the one of hash h? With a key it is authenticated and
+        decrypted in place; a False leaves payload undefined."""
+        if self.sealer is not None:
+            return self.sealer.open(self.rank, int(h), header, payload, self._fp, self._ns)
+        return self.matches(h, header, payload)
 
     def matches(self, h: int, header, payload) -> bool:
         """Does this header describe exactly this key, and does the payload have its length and checksum?"""

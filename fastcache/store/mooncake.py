@@ -38,6 +38,7 @@ FULL_CODES = {-200}
 # splitting it to overlap checksums with the transfer cost more than it gained, 5-10% of a 64 MiB put or
 # get on loopback. Larger tasks go in parts whose checksums overlap the next part's transfer.
 BATCH_OBJECTS = 1024
+SEAL_BYTES = 16 << 20        # a sealed put's part: ciphertexts staged in one of two registered buffers
 
 
 def set_environment(protocol: str, local_hostname: str):
@@ -56,6 +57,7 @@ class MooncakeStore(BlockStore):
                  local_hostname: str = "127.0.0.1", segment_bytes: int = 0, batch_bytes: int = 256 << 20):
         self.url, self.master, self.batch_bytes = url, master, batch_bytes
         self._registered = None         # address of the registered CPU tier
+        self._seal_rows = None          # registered staging of sealed objects: two halves, one per part in flight
         set_environment(protocol, local_hostname)
         try:
             from mooncake.store import MooncakeDistributedStore
@@ -85,28 +87,51 @@ class MooncakeStore(BlockStore):
         if self._registered is not None:
             self._client.unregister_buffer(self._registered)
         self._registered = None
+        if self._seal_rows is not None:
+            self._client.unregister_buffer(self._seal_rows.ctypes.data)
+            self._seal_rows = None
         super().detach()
+
+    def _seal_staging(self):
+        """[2, part, stride] registered rows that sealed objects are put from (the CPU tier keeps plaintext)."""
+        if self._seal_rows is None:
+            stride = self.blocks.shape[1]
+            rows = np.empty((2, max(1, SEAL_BYTES // stride), stride), np.uint8)
+            rc = self._client.register_buffer(rows.ctypes.data, rows.nbytes)
+            if rc != 0:
+                raise StoreError(f"store {self.url}: registering {rows.nbytes} bytes of seal staging failed "
+                                 f"({_name(rc)})")
+            self._seal_rows = rows
+        return self._seal_rows
 
     def _buffers(self, cpu_ids):
         """Per object, the one buffer it is put from or fetched into: its CPU block and the slot after it."""
         base, stride, size = self.blocks.ctypes.data, self.blocks.shape[1], self.tier.shape[1] + HEADER_BYTES
         return [base + c * stride for c in cpu_ids], [size] * len(cpu_ids)
 
-    def _chunks(self, n):
-        """The parts of a task, one Mooncake call each."""
-        step = max(1, min(BATCH_OBJECTS, self.batch_bytes // (self.tier.shape[1] + HEADER_BYTES)))
+    def _chunks(self, n, most: int | None = None):
+        """The parts of a task, one Mooncake call each (of at most `most` objects)."""
+        step = max(1, min(most or BATCH_OBJECTS, self.batch_bytes // (self.tier.shape[1] + HEADER_BYTES)))
         return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
     # -- operations ------------------------------------------------------------------------------
     def put(self, keys, hashes, cpu_ids):
         hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
 
+        staging = self._seal_staging() if keys.sealer is not None else None
+        parts = self._chunks(len(hashes), staging.shape[1] if staging is not None else None)
+
         def prepare(part):          # headers and checksums of the next part, while the previous one moves
-            names = []
-            for h, c in zip(hashes[part], cpu_ids[part]):
-                keys.write_header(self.headers[c], h, self.tier[c])
-                names.append(keys.name(h))
-            return (names, *self._buffers(cpu_ids[part]))
+            names = [keys.name(h) for h in hashes[part]]
+            if staging is None:     # the object is the CPU block and its slot: put in place
+                for h, c in zip(hashes[part], cpu_ids[part]):
+                    keys.write_header(self.headers[c], h, self.tier[c])
+                return (names, *self._buffers(cpu_ids[part]))
+            rows = staging[(part.start // staging.shape[1]) % 2]
+            size = self.tier.shape[1] + HEADER_BYTES
+            for row, h, c in zip(rows, hashes[part], cpu_ids[part]):
+                keys.write_object(row[:size], h, self.tier[c])
+            return names, [row.ctypes.data for row in rows[:len(names)]], [size] * len(names)
 
         full = 0
 
@@ -118,7 +143,7 @@ class MooncakeStore(BlockStore):
                 elif code < 0:
                     raise StoreError(f"store {self.url}: put of {name} failed: {_name(code)}")
 
-        self._pipelined(len(hashes), prepare, self._client.batch_put_from, finish)
+        self._pipelined(parts, prepare, self._client.batch_put_from, finish)
         return full
 
     def get(self, keys, hashes, cpu_ids):
@@ -132,7 +157,7 @@ class MooncakeStore(BlockStore):
         def finish(part, job, codes):       # checksums of this part, while the next one moves
             for i, (name, h, c, code) in enumerate(zip(job[0], hashes[part], cpu_ids[part], codes)):
                 if code == whole:
-                    hits[part.start + i] = keys.matches(h, self.headers[c], self.tier[c])
+                    hits[part.start + i] = keys.open(h, self.headers[c], self.tier[c])
                     if not hits[part.start + i]:
                         bad.append(name)
                 elif code >= 0 or (code in SIZE_CODES and self._other_size(name, whole)):
@@ -140,17 +165,16 @@ class MooncakeStore(BlockStore):
                 elif code not in MISS_CODES:
                     raise StoreError(f"store {self.url}: get of {name} failed: {_name(code)}")
 
-        self._pipelined(len(hashes), prepare, self._client.batch_get_into, finish)
+        self._pipelined(self._chunks(len(hashes)), prepare, self._client.batch_get_into, finish)
         if bad:     # foreign or corrupt objects under our keys: removed, so that a put can replace them
             self._client.batch_remove(bad, True)
         return hits
 
-    def _pipelined(self, n, prepare, transfer, finish):
+    def _pipelined(self, parts, prepare, transfer, finish):
         """transfer(*prepare(part)) for each part in turn on an I/O thread (Mooncake releases the GIL),
         while this thread prepares the next part and finishes the previous one. Returns or raises only
         once nothing is in flight: a fetch still writing into CPU blocks after its task has failed would
         corrupt blocks that the engine hands out again."""
-        parts = list(self._chunks(n))
         job = prepare(parts[0])
         future = self._io.submit(transfer, *job)
         try:

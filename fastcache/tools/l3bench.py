@@ -10,6 +10,8 @@ that alternate the order, times
 and reports GB/s (bytes over all ranks per second, median of the rounds, with min and max) and the ratio
 of the two, taken per round (the two sides run back to back, so a busy machine slows both alike).
 `--store mooncake` starts a local master and memory server for the run; a `mooncake://` URL uses yours.
+`--sealed` runs each store a second time with objects sealed under a temporary deployment key (AES-GCM)
+and reports sealed over plain per operation.
 """
 from __future__ import annotations
 
@@ -42,8 +44,20 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4, help="KV heads per rank")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--segment-mb", type=int, default=1024, help="memory of the local Mooncake store")
+    p.add_argument("--sealed", action="store_true", help="also run sealed (a temporary deployment key)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
+
+
+def with_key(url: str, key_dir: str) -> str:
+    """url with a fresh deployment key: a 32-byte key file, owner-only, in key_dir."""
+    import os
+    path = os.path.join(key_dir, "deployment.key")
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+    return f"{url}{'&' if '?' in url else '?'}key_file={path}"
 
 
 def summary(rates):
@@ -170,17 +184,28 @@ def main(argv=None) -> int:
     spec = CacheSpec(num_layers=args.layers, num_gpu_blocks=8, num_cpu_blocks=2 * args.blocks,
                      block_size=args.block_size, num_kv_heads=args.heads, head_dim=args.head_dim)
     results = []
-    for name in args.store or ["mooncake", "file"]:
-        if name == "mooncake":
-            from ..store.service import MooncakeService
-            need_mb = 4 * args.blocks * spec.cpu_block_bytes * args.tp // 2**20 + 64
-            with MooncakeService(segment_mb=max(args.segment_mb, need_mb)) as svc:
-                results.append(bench_store(svc.url, spec, args))
-        elif name == "file":
-            with tempfile.TemporaryDirectory(prefix="fastcache-l3bench-") as d:
-                results.append(bench_store(f"file://{d}", spec, args))
-        else:
-            results.append(bench_store(name, spec, args))
+    key_dir = tempfile.TemporaryDirectory(prefix="fastcache-l3bench-key-")
+
+    def bench(url):
+        results.append(bench_store(url, spec, args))
+        if args.sealed:
+            sealed = bench_store(with_key(url, key_dir.name), spec, args)
+            for op in ("put", "get"):
+                sealed[f"sealed_over_plain_{op}"] = (sealed[f"fastcache_{op}"]["median"]
+                                                     / results[-1][f"fastcache_{op}"]["median"])
+            results.append(sealed)
+    with key_dir:
+        for name in args.store or ["mooncake", "file"]:
+            if name == "mooncake":
+                from ..store.service import MooncakeService
+                need_mb = 4 * args.blocks * spec.cpu_block_bytes * args.tp // 2**20 + 64
+                with MooncakeService(segment_mb=max(args.segment_mb, need_mb)) as svc:
+                    bench(svc.url)
+            elif name == "file":
+                with tempfile.TemporaryDirectory(prefix="fastcache-l3bench-") as d:
+                    bench(f"file://{d}")
+            else:
+                bench(name)
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -191,6 +216,8 @@ def main(argv=None) -> int:
             line = f"  {op}: fastcache {_fmt(r['fastcache_' + op])}"
             if f"store_{op}" in r:
                 line += f", Mooncake's own {_fmt(r['store_' + op])}, ratio {_fmt(r['ratio_' + op])}"
+            if f"sealed_over_plain_{op}" in r:
+                line += f"; sealed over plain {r['sealed_over_plain_' + op]:.2f}"
             print(line)
     return 0
 

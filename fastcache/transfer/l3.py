@@ -51,7 +51,7 @@ class StoreIO:
         fp = fingerprint(spec, tp_size)
         keys = self._keys.get((task.namespace, fp))
         if keys is None:
-            keys = self._keys[(task.namespace, fp)] = ObjectKeys(task.namespace, fp, self.rank)
+            keys = self._keys[(task.namespace, fp)] = ObjectKeys(task.namespace, fp, self.rank, store.sealer)
         if task.kind == protocol.CPU_TO_STORE:
             full = store.put(keys, task.hashes, task.cpu_ids)
             if full:
