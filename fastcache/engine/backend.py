@@ -21,24 +21,23 @@ from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
+from ..ipc.leftovers import remove_dead
 from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.queue import bind_replies, make_socket_dir, remove_socket_dir
 from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
-from ..ops import resolve_device
-from ..ipc.leftovers import remove_dead
 from ..metrics import SwapCounters
+from ..ops import resolve_device
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
+from .channel import TaskChannel
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
-from .channel import TaskChannel
 from .l3 import StoreTasks
 from .ranks import RankSupervision
 from .reshard_phase import ReshardPhase
 
 log = logging.getLogger("fastcache.engine")
-
 
 
 class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):

@@ -32,11 +32,11 @@ import numpy as np
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
+from ..ipc.manifest import write_json_segment
 from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name
+from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
 from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
-from ..ipc.manifest import write_json_segment
-from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
 from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
 
 log = logging.getLogger("fastcache.engine")

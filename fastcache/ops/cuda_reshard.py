@@ -14,7 +14,6 @@ geometry on commit).
 """
 from __future__ import annotations
 
-
 from cuda.bindings import runtime
 
 from ..config import ELEMENT_BYTES

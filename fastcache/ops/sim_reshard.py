@@ -9,13 +9,11 @@ plan's strided copies with NumPy. The CPU tier is host memory on every device, s
 """
 from __future__ import annotations
 
-
-
 from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment
-from ..reshard_plan import Plan
 from ..ipc.naming import reshard_exports_name, reshard_staging_name
 from ..ipc.shm import SharedSegment
+from ..reshard_plan import Plan
 from .base import manifest_entry
 from .frameworks import NUMPY_STORAGE, wrap_host_array
 from .host_memory import HostMemory, numpy_copy

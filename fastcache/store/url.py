@@ -83,9 +83,9 @@ def _checked_key(options) -> dict:
 
 def _options(url, query) -> dict:
     """The NAME=VALUE options of a query, each given at most once."""
-    for field in query.split("&") if query else ():
-        if "=" not in field:
-            what = f"{unquote_plus(field)} has no value" if field else "an option is empty"
+    for part in query.split("&") if query else ():
+        if "=" not in part:
+            what = f"{unquote_plus(part)} has no value" if part else "an option is empty"
             raise ValueError(f"store {url!r}: {what}; options are NAME=VALUE joined by &")
     pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     options = {}

@@ -18,11 +18,11 @@ import zmq
 from ..config import CacheSpec, Settings
 from ..errors import TransferError
 from ..ipc import protocol
-from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
-from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
+from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.manifest import read_manifest
 from ..ipc.naming import swap_space_name
+from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
 from ..ipc.queue import connect_client
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import RESHARDING, DeploymentSignals
@@ -32,7 +32,6 @@ from .reshard import ReshardRunner
 from .scheduler import Scheduler, Task
 
 log = logging.getLogger("fastcache.transfer")
-
 
 
 class TransferManager:

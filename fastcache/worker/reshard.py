@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import logging
 
-
 from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment, write_json_segment
 from ..ipc.naming import reshard_exports_name, reshard_plan_name
 from ..ipc.protocol import ABORT, COMMIT, PREPARE, STAGE_NAMES
 
 log = logging.getLogger("fastcache.worker")
-
 
 
 def read_plan(suffix: str) -> dict:
