@@ -5,7 +5,7 @@
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
 #   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu
 #   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
-#   launch  python -m fastcache.launch on the cuda device
+#   launch  python -m fastcache.launch with no arguments (it must pick cuda), then what it left behind
 #   tier    benchmarks/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
@@ -52,7 +52,7 @@ EOF
 }
 
 run_tests() {
-    timeout 540 python3 -m pytest -m gpu -q -o timeout=180 2>&1 | tee "$OUT/pytest.log"
+    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -s --durations=20 -o timeout=180 2>&1 | tee "$OUT/pytest.log"
 }
 
 run_probe() {
@@ -80,7 +80,12 @@ run_tier() {
 }
 
 run_launch() {
-    timeout 240 python3 -m fastcache.launch --device cuda 2>&1 | tee "$OUT/launch.log"
+    local status
+    timeout 240 python3 -m fastcache.launch 2>&1 | tee "$OUT/launch.log"
+    status=${PIPESTATUS[0]}
+    { echo "exit status $status"; echo "left in /dev/shm:"; ls /dev/shm | grep -i fastcache;
+      echo "processes left:"; pgrep -af fastcache; } 2>&1 | tee -a "$OUT/launch.log"
+    return "$status"
 }
 
 steps=("$@")

@@ -22,8 +22,8 @@ def free_bytes():
 
 
 def test_clear_returns_gpu_memory_and_restore_takes_it_again():
-    spec = CacheSpec(num_layers=16, num_gpu_blocks=1024, num_cpu_blocks=64, block_size=64, num_kv_heads=8,
-                     head_dim=128, cache_dtype="bfloat16")          # 4 GiB of cache
+    spec = CacheSpec(num_layers=16, num_gpu_blocks=4096, num_cpu_blocks=64, block_size=64, num_kv_heads=8,
+                     head_dim=128, cache_dtype="bfloat16")          # 16 GiB of cache
     torch.cuda.init()
     with SwapBackend(spec, tp_size=1, device="cuda") as backend:
         worker = CacheWorker(spec, rank=0, tp_size=1, device="cuda", suffix=backend.suffix, framework="torch").start()

@@ -315,11 +315,13 @@ def e2e(spec: CacheSpec, device_id: int, framework: str, out_ids, in_ids) -> dic
     from ..worker import CacheWorker
 
     nbytes = len(out_ids[0]) * spec.cpu_block_bytes
+    began = time.perf_counter()
     with SwapBackend(spec, tp_size=1, device="cuda", device_ids=[device_id]) as backend:
         worker = CacheWorker(spec, rank=0, tp_size=1, device="cuda", suffix=backend.suffix, framework=framework,
                              device_id=device_id).start()
         try:
             backend.wait_ready(timeout=300)
+            ready_s = time.perf_counter() - began     # transfer manager spawned, cache attached, CPU tier pinned
             fill_random(worker._cache.tensors, framework, seed=1)   # finished: the writer's step is done
             check = Verifier(worker._cache.view(), backend.cpu_tier(0))
             check.poison_tier(out_ids[1])
@@ -327,7 +329,7 @@ def e2e(spec: CacheSpec, device_id: int, framework: str, out_ids, in_ids) -> dic
 
             def timed(swap, ids):
                 return rates(lambda: swap(*ids).result(timeout=120), nbytes)
-            figures = {"d2h": timed(backend.swap_out, out_ids), "h2d": timed(backend.swap_in, in_ids)}
+            figures = {"ready_s": ready_s, "d2h": timed(backend.swap_out, out_ids), "h2d": timed(backend.swap_in, in_ids)}
             figures["wrong_tensors"] = {"out": check.mismatches(*out_ids), "in": check.mismatches(*in_ids)}
             figures["one_block_us"] = one_block_latency(backend, check, spec)
         finally:
@@ -402,6 +404,8 @@ def print_report(device: str, results: list):
                     share = f" {swap['median'] / one_way['median']:4.0%} of bulk" if one_way else ""
                     print(f"    {name:22s} swap {swap['median']:6.1f} GB/s ({swap['min']:.1f}-{swap['max']:.1f}){share}"
                           f" | GEMM {flops['median']:4.0f} TFLOP/s {flops['median'] / alone['median']:4.0%}")
+        if "ready_s" in r.get("e2e", {}):
+            print(f"  deployment ready (transfer manager spawned, cache attached, tier pinned) in {r['e2e']['ready_s']:.2f} s")
         one = r.get("e2e", {}).get("one_block_us")
         if one:
             print(f"  one-block all-layer task through SwapBackend ({one['out']['tasks']} each way): "
