@@ -72,7 +72,7 @@ run_probe() {
 }
 
 run_bench() {
-    timeout 480 python3 -m fastcache.tools.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    timeout "${BENCH_TIMEOUT:-480}" python3 -m fastcache.tools.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 }
 
 run_tier() {

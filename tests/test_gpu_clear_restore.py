@@ -18,6 +18,7 @@ SLACK = 64 << 20      # docs/design.md §6: within 64 MiB
 
 def free_bytes():
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()         # this process's cached temporaries are not the cache
     return torch.cuda.mem_get_info(0)[0]
 
 

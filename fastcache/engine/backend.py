@@ -68,6 +68,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         self._submit_lock = threading.Lock()
         self._phase_lock = threading.Lock()
         self._phase_acks: dict[str, dict[int, str | None]] = {}
+        self._copy_seconds: dict[int, float] = {}       # rank -> its last reshard move's copy time
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
         self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)

@@ -130,6 +130,7 @@ class TaskChannel:
                 acks = self._phase_acks.get(header["phase"])
                 if acks is not None:
                     acks[rank] = header.get("error")
+                    self._copy_seconds[rank] = header.get("copy_seconds", 0.0)
                     self._phase_cond.notify_all()
         elif kind == "error":
             self._warn_once(("error", rank), f"rank {rank} rejected a message: {header['error']}")

@@ -348,6 +348,7 @@ class ReshardPhase:
         message = protocol.encode_reshard("move", self._body(step, role=role), maps)
         with self._phase_cond:
             acks = self._phase_acks["reshard_move"] = {}
+            self._copy_seconds.clear()
         began = time.perf_counter()
         for r in ranks:
             if r in self._failed:
@@ -359,12 +360,13 @@ class ReshardPhase:
         with self._phase_cond:
             self._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in self._failed for r in ranks),
                                       max(0.0, deadline - time.monotonic()))
-            got = dict(acks)
+            got, copies = dict(acks), dict(self._copy_seconds)
             self._phase_acks.pop("reshard_move", None)
         done = {r for r, e in got.items() if e is None and r in ranks}
         if role == "program":
             step.wave_ranks_done |= done
         step.times.setdefault("waves", []).append((role, ranks, time.perf_counter() - began))
+        step.times.setdefault("copies", []).append(max((copies.get(r, 0.0) for r in done), default=0.0))
         problems = [f"rank {r}: {self._failed[r]}" for r in ranks if r in self._failed]
         problems += [f"rank {r}: {e}" for r, e in sorted(got.items()) if e is not None and r in ranks]
         late = sorted(set(ranks) - set(got) - set(self._failed))
@@ -491,8 +493,10 @@ class ReshardPhase:
                 moved[k] += v
         total = sum(moved.values())
         move_seconds = sum(t for _, _, t in step.times.get("waves", []))
+        copy_seconds = sum(step.times.get("copies", []))    # the waves' slowest ranks' copies alone
         return {"from_tp": plan.old_tp, "to_tp": plan.new_tp, "seconds": seconds, "move_seconds": move_seconds,
                 "bytes_moved": total, "gbps": total / move_seconds / 1e9 if move_seconds else 0.0,
+                "copy_seconds": copy_seconds, "copy_gbps": total / copy_seconds / 1e9 if copy_seconds else 0.0,
                 "bytes_by_source": moved,
                 "waves": [(role, ranks, t) for role, ranks, t in step.times.get("waves", [])],
                 "gpu_blocks_per_rank": [plan.old_spec.num_gpu_blocks, plan.new_spec.num_gpu_blocks],

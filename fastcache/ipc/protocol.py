@@ -31,7 +31,7 @@ SCHEMAS = {
     "failed": {"task_id": int, "rank": int, "error": str},
     "clear": {"release_swap_space": bool},
     "restore": {},
-    "phase_done": {"phase": str, "rank": int},
+    "phase_done": {"phase": str, "rank": int, "copy_seconds": float},   # copy_seconds: a reshard move's copies
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
     "error": {"error": str},

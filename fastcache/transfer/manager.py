@@ -128,9 +128,9 @@ class TransferManager:
             self.send("phase_failed", phase=phase, rank=self.rank, error=str(exc))
             return
         self.phase = next_phase
-        self.send("phase_done", phase=phase, rank=self.rank)
+        self.send("phase_done", phase=phase, rank=self.rank, copy_seconds=0.0)
         if phase in ("restore", "reshard_commit", "reshard_abort"):
-            self.send("phase_done", phase="attach", rank=self.rank)
+            self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0)
 
     # -- attach / detach -------------------------------------------------------------------------
     def _try_attach(self):
@@ -173,7 +173,7 @@ class TransferManager:
             self.copier = self.ops.copier(self.cache, self.swap, self.spec)
             log.info("rank %d: attached %d tensors", self.rank, len(self.infos))
             if self.phase == "running":
-                self.send("phase_done", phase="attach", rank=self.rank)
+                self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0)
 
     def _detach_cache(self):
         copier, cache, self.copier, self.cache = self.copier, self.cache, None, None

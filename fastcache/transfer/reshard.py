@@ -147,7 +147,7 @@ class ReshardRunner:
             return
         log.info("rank %d: reshard %s done in %.3f s (plan %.3f s, programs and copies %.3f s)", m.rank, role,
                  time.perf_counter() - start + planned, planned, copying)
-        m.send("phase_done", phase="reshard_move", rank=m.rank)
+        m.send("phase_done", phase="reshard_move", rank=m.rank, copy_seconds=copying)
 
 
 TEST_PACE = "FASTCACHE_TEST_RESHARD_PACE"     # RANK:SECONDS, tests only: rank sleeps after every copy and flush
