@@ -217,6 +217,7 @@ RULES = {
     "inline_bytes": (lambda v: _whole(v) and v >= 0, "must be a whole number of bytes >= 0"),
     "staging_mb": (lambda v: _number(v) and v > 0, "must be a positive number of MiB"),
     "kernel_blocks": (lambda v: _whole(v) and v >= 1, "must be a whole number >= 1"),
+    "staged_blocks": (lambda v: _whole(v) and v >= 0, "must be a whole number >= 0 (0: four per multiprocessor)"),
     "fail_every": _FAULT,
     "fail_attach": _FAULT,
 }
@@ -262,6 +263,7 @@ class Settings:
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
     staging_mb: float = 32.0            # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer
     kernel_blocks: int = 8              # FASTCACHE_KERNEL_BLOCKS (cuda kernel): thread blocks of the copy kernel
+    staged_blocks: int = 0              # FASTCACHE_STAGED_BLOCKS (cuda staged): gather/scatter thread blocks, 0: 4 per SM
     fail_every: tuple | None = None     # FASTCACHE_FAIL_EVERY=RANK:N (tests): every Nth task of RANK fails
     fail_attach: tuple | None = None    # FASTCACHE_FAIL_ATTACH=RANK:N (tests): the Nth attach of RANK fails
 

@@ -96,6 +96,12 @@ class FakeRuntime:
     def cudaStreamCreateWithFlags(self, flags):
         return OK, object()
 
+    def cudaDeviceGetStreamPriorityRange(self):
+        return OK, 0, -5
+
+    def cudaStreamCreateWithPriority(self, flags, priority):
+        return OK, object()
+
     def cudaEventCreateWithFlags(self, flags):
         return OK, object()
 

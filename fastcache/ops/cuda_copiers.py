@@ -105,7 +105,7 @@ class StagedCopier(_CudaCopier):
     A task that fits one chunk and the lane's pinned id buffer takes the small path: one stream, no events,
     ids read by the kernel from pinned host memory, no upload."""
 
-    def __init__(self, cache, swap, spec, staging_bytes: int):
+    def __init__(self, cache, swap, spec, staging_bytes: int, blocks: int = 0):
         sizes = [i.block_bytes for i in cache.infos]
         row_ends = np.cumsum(sizes).tolist()
         row_blocks = [i.num_blocks for i in cache.infos]
@@ -120,7 +120,7 @@ class StagedCopier(_CudaCopier):
         self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_stride)
         super().__init__(cache, swap, spec)
         self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
-        self._grid = 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
+        self._grid = blocks or 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
         self._small_ids = min(self.chunk_blocks, SMALL_TASK_IDS)
 
     def _new_lane(self):
@@ -256,7 +256,9 @@ class BatchCopier(MemcpyCopier):
 def make_copier(method: str, cache, swap, spec: CacheSpec) -> Copier:
     """A copier of `method` over plain per-tensor device pointers (`cache.pointers`)."""
     if method == "staged":
-        return StagedCopier(cache, swap, spec, staging_bytes=int(Settings.from_env().staging_mb * (1 << 20)))
+        settings = Settings.from_env()
+        return StagedCopier(cache, swap, spec, staging_bytes=int(settings.staging_mb * (1 << 20)),
+                            blocks=settings.staged_blocks)
     if method == "kernel":
         return KernelCopier(cache, swap, spec, blocks=Settings.from_env().kernel_blocks)
     if method == "batch":

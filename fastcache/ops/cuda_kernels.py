@@ -134,8 +134,11 @@ class HostBuffer:
 
 
 def create_stream():
-    return cuda_check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking),
-                      "cudaStreamCreateWithFlags")
+    """A non-blocking stream of the device's highest priority: beside a model that fills every SM, the
+    copies' kernels get the SMs that free up first instead of waiting behind the model's queued blocks."""
+    _, greatest = cuda_check(runtime.cudaDeviceGetStreamPriorityRange(), "cudaDeviceGetStreamPriorityRange")
+    return cuda_check(runtime.cudaStreamCreateWithPriority(runtime.cudaStreamNonBlocking, greatest),
+                      "cudaStreamCreateWithPriority")
 
 
 def create_event():
