@@ -82,13 +82,13 @@ def tier_costs(tp, samples, rng, size, device="sim", device_id=0):
         # a wrapper) for the cache's own work; the handle is waited for outside the timed region
         inner = []
 
-        def timed(*a, _call=backend._swap_checked):
+        def timed(*a, _call=backend.submit_checked_swap):
             t0 = time.perf_counter()
             try:
                 return _call(*a)
             finally:
                 inner.append(time.perf_counter() - t0)
-        backend._swap_checked = timed
+        backend.submit_checked_swap = timed
         times = {"swap_out": [], "store": [], "swap_in": [], "load": []}
         own = {"store": [], "load": []}
         for _ in range(samples):
@@ -103,7 +103,7 @@ def tier_costs(tp, samples, rng, size, device="sim", device_id=0):
                 if name in own:
                     own[name].append(times[name][-1] - sum(inner))
                 handle.result(30)
-        del backend._swap_checked
+        del backend.submit_checked_swap
         med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
         out["store_call_us"], out["swap_out_call_us"] = med["store"], med["swap_out"]
         out["load_call_us"], out["swap_in_call_us"] = med["load"], med["swap_in"]
@@ -145,9 +145,9 @@ class StubBackend:
                               num_kv_heads=1, head_dim=1)
         self.allocator = CpuBlockAllocator(self.spec.num_cpu_blocks)
         self.signals = type("Signals", (), {"status": NORMAL})()
-        self._started, self._closed = True, False
+        self.running = True
 
-    def _swap_checked(self, kind, gpu, cpu):
+    def submit_checked_swap(self, kind, gpu, cpu):
         return TransferHandle.completed(kind)
 
 
@@ -170,7 +170,7 @@ def warm_costs(size):
     backend = StubBackend(size)
     cache = TieredCache(backend, "bench")
     src, dst = list(range(size)), list(range(size, 2 * size))
-    bare = min(per_call(lambda: backend._swap_checked("SWAP_TO_CPU", src, src), 1000) for _ in range(5))
+    bare = min(per_call(lambda: backend.submit_checked_swap("SWAP_TO_CPU", src, src), 1000) for _ in range(5))
     prompts = iter([[k * size + i for i in range(size)] for k in range(5 * 500)])
     store = min(per_call(lambda: cache.store(next(prompts), src), 500) for _ in range(5)) - bare
     held = [(5 * 500 - 1) * size + i for i in range(size)]
@@ -208,7 +208,7 @@ def after_swap_costs(backend, src, raw, size, samples):
             t0 = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t0)
-    bare = per_call(lambda: stub._swap_checked("SWAP_TO_CPU", gpu, gpu), 1000)   # the stub's, inside store and load
+    bare = per_call(lambda: stub.submit_checked_swap("SWAP_TO_CPU", gpu, gpu), 1000)   # the stub's, inside store and load
     median = {k: statistics.median(v) for k, v in times.items()}
     return {"store_own_after_swap_us": (median["store"] - bare) * 1e6,
             "load_own_after_swap_us": (median["load"] - bare) * 1e6,
