@@ -261,7 +261,7 @@ class Settings:
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
-    staging_mb: float = 32.0            # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer
+    staging_mb: float = 128.0           # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer (4 per rank)
     kernel_blocks: int = 8              # FASTCACHE_KERNEL_BLOCKS (cuda kernel): thread blocks of the copy kernel
     staged_blocks: int = 0              # FASTCACHE_STAGED_BLOCKS (cuda staged): gather/scatter thread blocks, 0: 4 per SM
     fail_every: tuple | None = None     # FASTCACHE_FAIL_EVERY=RANK:N (tests): every Nth task of RANK fails
