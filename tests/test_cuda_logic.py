@@ -36,8 +36,11 @@ class FakeRuntime:
 
     cudaHostAllocMapped = 2
 
+    driver_version = 12080
+
     def __init__(self):
         self.buffers, self.copies, self.registered, self.calls = {}, [], [], []
+        self.batches = 0
 
     def cudaMalloc(self, n):
         buf = np.full(n, 0xEE, np.uint8)        # garbage, not zeros: an uncopied byte shows
@@ -82,13 +85,16 @@ class FakeRuntime:
 
     def cudaMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, indices, num_attrs, stream):
         assert len(dsts) == len(srcs) == len(sizes) == count
+        self.batches += 1
         for d, s, n in zip(dsts, srcs, sizes):
             self.copies.append(n)
+            self.check_pinned(d, n)
+            self.check_pinned(s, n)
             ctypes.memmove(d, s, n)
         return OK, 0
 
     def cudaDriverGetVersion(self):
-        return OK, 12080
+        return OK, self.driver_version
 
     def cudaHostGetDevicePointer(self, ptr, flags):
         return OK, ptr
@@ -248,6 +254,34 @@ def fake_copier(spec, method="staged", seed=0, **swap_kwargs):
     finally:
         copier.close()
         swap.close()
+
+
+@pytest.mark.parametrize("driver", [12080, 12040])
+def test_staged_dma_runs_go_in_one_batch_where_the_driver_has_it(fake_cuda, monkeypatch, driver):
+    """Random CPU ids make a DMA run per block: one cudaMemcpyBatchAsync per chunk on a 12.8+ driver, one
+    cudaMemcpyAsync per run before it; the same bytes either way."""
+    fake_cuda.driver_version = driver
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=30)
+    monkeypatch.setenv("FASTCACHE_STAGING_MB", str(8 * spec.cpu_block_stride / 2**20))     # 8-block chunks
+    rng = np.random.default_rng(driver)
+    with fake_copier(spec, seed=driver) as (gpu, swap, copier):
+        for size in (6, 30):            # the small path, and four chunks through the staging ring
+            gpu_ids = rng.choice(40, size, replace=False)
+            cpu_ids = rng.choice(30, len(gpu_ids), replace=False)
+            fake_cuda.batches, fake_cuda.copies = 0, []
+            copier.swap_out(gpu_ids, cpu_ids)
+            for info, rows in zip(spec.tensors(), gpu):
+                cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                assert np.array_equal(swap.rows[cpu_ids, cols], rows[gpu_ids])
+            runs = 1 + np.count_nonzero(np.diff(cpu_ids) != 1)
+            assert (fake_cuda.batches > 0) == (driver >= 12080)
+            assert len(fake_cuda.copies) >= runs
+            for rows in gpu:
+                rows[gpu_ids] = 0xEE
+            copier.swap_in(gpu_ids, cpu_ids)
+            for info, rows in zip(spec.tensors(), gpu):
+                cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                assert np.array_equal(rows[gpu_ids], swap.rows[cpu_ids, cols])
 
 
 def test_copier_refuses_ids_that_would_fault_the_kernel(fake_cuda):

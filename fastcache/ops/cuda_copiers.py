@@ -120,6 +120,7 @@ class StagedCopier(_CudaCopier):
         self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_stride)
         super().__init__(cache, swap, spec)
         self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
+        self._batch = batch_attributes(required=False)
         self._grid = blocks or 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
         self._small_ids = min(self.chunk_blocks, SMALL_TASK_IDS)
 
@@ -148,9 +149,7 @@ class StagedCopier(_CudaCopier):
         runs = dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks)
         if to_host:
             self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.stride, True)
-        for first, cpu_id, nbytes in runs:
-            host, dev = self.swap.host_ptr + cpu_id * self.stride, stage + first * self.stride
-            memcpy_async(*((host, dev) if to_host else (dev, host)), nbytes, to_host, stream)
+        self._dma(stage, runs, to_host, stream)
         if not to_host:
             self._kernel.launch(stream, self._grid, ids, 0, len(gpu), stage, self.stride, False)
         lane.sync_stream()
@@ -162,22 +161,32 @@ class StagedCopier(_CudaCopier):
         self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, True)
         cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.stream), "cudaEventRecord")
         cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
-        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks):
-            memcpy_async(self.swap.host_ptr + cpu_id * self.stride, stage + first * self.stride, nbytes,
-                         True, lane.dma_stream)
+        self._dma(stage, dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks), True, lane.dma_stream)
         cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.dma_stream), "cudaEventRecord")
 
     def _scatter(self, lane, slot, reused, ids, cpu, lengths):
         stage = lane.slots[slot].ptr
         if reused:      # its previous chunk must have been scattered
             cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
-        for first, cpu_id, nbytes in dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks):
-            memcpy_async(stage + first * self.stride, self.swap.host_ptr + cpu_id * self.stride, nbytes,
-                         False, lane.dma_stream)
+        self._dma(stage, dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks), False, lane.dma_stream)
         cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.dma_stream), "cudaEventRecord")
         cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
         self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, False)
         cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.stream), "cudaEventRecord")
+
+    def _dma(self, stage: int, runs: list, to_host: bool, stream):
+        """The runs between staging and the tier. Random CPU ids make a run per block: where the driver has
+        cudaMemcpyBatchAsync they go in one submission, not one call each."""
+        host = [self.swap.host_ptr + cpu_id * self.stride for _, cpu_id, _ in runs]
+        dev = [stage + first * self.stride for first, _, _ in runs]
+        dst, src = (host, dev) if to_host else (dev, host)
+        if self._batch is not None and len(runs) > 1:
+            sizes = [nbytes for _, _, nbytes in runs]
+            cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, sizes, len(sizes), [self._batch], [0], 1, stream),
+                       "cudaMemcpyBatchAsync")
+            return
+        for d, s, (_, _, nbytes) in zip(dst, src, runs):
+            memcpy_async(d, s, nbytes, to_host, stream)
 
     def close(self):
         super().close()
@@ -237,20 +246,29 @@ class BatchCopier(MemcpyCopier):
     cuda-bindings returns it after the status (12.x) or not at all (13.x), the arguments are the same."""
 
     def __init__(self, cache, swap, spec):
-        driver_version = cuda_check(runtime.cudaDriverGetVersion(), "cudaDriverGetVersion")
-        if not hasattr(runtime, "cudaMemcpyBatchAsync") or driver_version < 12080:
-            raise TransferError(f"copy method 'batch' needs cudaMemcpyBatchAsync: a CUDA 12.8+ driver (this one "
-                                f"is {driver_version}) and cuda-bindings 12.8+")
+        self._attrs = batch_attributes(required=True)
         super().__init__(cache, swap, spec)
-        self._attrs = runtime.cudaMemcpyAttributes()
-        self._attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-        self._attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
 
     def _run(self, lane, gpu_ids, cpu_ids, to_host):
         dst, src, size = (a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))
         cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, size, len(size), [self._attrs], [0], 1, lane.stream),
                    "cudaMemcpyBatchAsync")
         lane.sync()
+
+
+def batch_attributes(required: bool):
+    """cudaMemcpyBatchAsync's attributes (stream order, copy engines preferred), or None where the driver or
+    cuda-bindings predate it (12.8) and it is not required."""
+    driver_version = cuda_check(runtime.cudaDriverGetVersion(), "cudaDriverGetVersion")
+    if not hasattr(runtime, "cudaMemcpyBatchAsync") or driver_version < 12080:
+        if not required:
+            return None
+        raise TransferError(f"copy method 'batch' needs cudaMemcpyBatchAsync: a CUDA 12.8+ driver (this one "
+                            f"is {driver_version}) and cuda-bindings 12.8+")
+    attrs = runtime.cudaMemcpyAttributes()
+    attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+    return attrs
 
 
 def make_copier(method: str, cache, swap, spec: CacheSpec) -> Copier:
