@@ -1,0 +1,23 @@
+"""The development benchmarks under benchmarks/ run and report (on sim, with few samples): they use the
+package's public names only, and a rename that breaks one fails here rather than on a GPU machine."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("script,args,expect", [
+    ("tier_bench.py", ["--samples", "20"], "store adds"),
+    ("queue_floor.py", ["--samples", "100"], "round trip p50"),
+    ("index_floor.py", ["--samples", "10"], "TieredCache.store"),
+])
+def test_benchmark_runs_and_reports(script, args, expect):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert expect in done.stdout
