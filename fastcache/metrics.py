@@ -155,8 +155,9 @@ TIER_COUNTERS = {
     "l3_hits": "leading hashes lookup found only in the store",
     "l3_loaded_blocks": "blocks fetched from the store by loads (then swapped in)",
     "l3_loaded_bytes": "bytes fetched from the store, all ranks",
-    "l3_written_blocks": "blocks put into the store (write-back of evicted entries, or write-through)",
-    "l3_written_bytes": "bytes put into the store, all ranks",
+    "l3_written_blocks": "blocks put into the store on every rank (write-back of evicted entries, or write-through)",
+    "l3_written_bytes": "bytes put into the store, all ranks (puts a full store skipped not counted)",
+    "l3_skipped_blocks": "blocks a full store (or a pool with no memory lent to it) did not take, on some rank",
     "l3_errors": "store failures (each sets the store aside for a while; the CPU tier keeps serving)",
 }
 TIER_GAUGES = {

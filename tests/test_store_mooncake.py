@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -15,8 +16,9 @@ if os.environ.get("FASTCACHE_REQUIRE_MOONCAKE") == "1":
 else:
     pytest.importorskip("mooncake.store", reason="Mooncake not installed (pip install 'fastcache[mooncake]')")
 
-from conftest import deployment, round_trip, small_spec
-from fastcache import TransferError
+from conftest import deployment, round_trip, small_spec, wait_for
+from fastcache import TieredCache, TransferError
+from fastcache.metrics import serve
 from fastcache.store import ObjectKeys, StoreError, as_hashes, fingerprint, open_store
 from fastcache.store import mooncake as mooncake_store
 from fastcache.store.keys import HEADER_BYTES
@@ -282,6 +284,40 @@ def test_a_full_store_skips_puts_instead_of_failing_them():
         tier[held] = 0
         backend.store_to_cpu("full", [hashes[i] for i in held], held).result(timeout=60)
         np.testing.assert_array_equal(tier[held], want[held])
+
+
+def test_a_pool_with_no_memory_counts_its_skipped_puts_and_says_why(capfd):
+    """A master with no memory server: every put is skipped. The task succeeds (a skipped put is a later
+    miss), but nothing counts the skipped puts as written: not the handle's bytes, not the swap metrics, not
+    TieredCache's l3 counters, which count them as l3_skipped_blocks (also on the metrics endpoint); and the
+    transfer managers log one WARNING naming the likely cause."""
+    spec = small_spec(num_cpu_blocks=16, num_gpu_blocks=16)
+    with MooncakeService(segment_mb=0) as svc, deployment(spec, tp=2, store=svc.url) as (backend, workers):
+        assert svc.server is None
+        hashes = [int(h) for h in np.random.default_rng(4).integers(0, 2**63, 4)]
+        handle = backend.cpu_to_store("empty-pool", hashes, range(4)).result(timeout=60)
+        assert (handle.nbytes, handle.skipped) == (0, 4)
+        assert backend.counters.snapshot()["bytes"]["to_store"] == 0
+        assert not backend.store_contains("empty-pool", hashes).any()
+
+        cache = TieredCache(backend, "empty-pool/tiered", capacity=8, write="through")
+        try:
+            cache.store([11, 12, 13], [1, 2, 3]).result(timeout=30)
+            wait_for(lambda: cache.stats()["l3_skipped_blocks"] == 3, 30, "the skipped write-through")
+            stats = cache.stats()
+            assert (stats["l3_written_blocks"], stats["l3_written_bytes"], stats["l3_errors"]) == (0, 0, 0)
+            server = serve(0, backend, [cache])
+            try:
+                text = urllib.request.urlopen(f"http://{server.host}:{server.port}/metrics", timeout=10).read()
+            finally:
+                server.close()
+            assert b'fastcache_tier_l3_skipped_blocks_total{cache="0"} 3.0' in text
+        finally:
+            cache.close()
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "WARNING" in line and "took 0 of" in line]
+    assert len(warnings) == 2, err[-3000:]          # one per rank, the first skip only
+    assert "no memory is lent to the pool" in warnings[0] and "segment_mb=" in warnings[0]
 
 
 def test_sealed_objects_round_trip_in_parts_hold_no_plaintext_and_a_forgery_is_a_miss(service, raw, tmp_path,

@@ -82,8 +82,8 @@ class FakeBackend:
 
 
 def finish(handle, error=None):
-    handle._rank_finished(0)
-    handle._rank_finished(1, error)
+    handle.rank_finished(0, nbytes=handle.nbytes // 2)
+    handle.rank_finished(1, error, nbytes=handle.nbytes - handle.nbytes // 2)
 
 
 def chain(start, n):
@@ -169,9 +169,9 @@ def test_an_entry_is_visible_only_once_every_rank_has_stored_it():
     assert cache.lookup([1, 2]) == 0
     with pytest.raises(ValueError, match="not held"):
         cache.load([1], [5])
-    h._rank_finished(0)
+    h.rank_finished(0)
     assert cache.lookup([1]) == 0                    # rank 1 has not finished
-    h._rank_finished(1)
+    h.rank_finished(1)
     assert cache.lookup([1, 2]) == 2
 
 

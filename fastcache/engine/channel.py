@@ -54,11 +54,11 @@ class TaskChannel:
                 if handle is not None and not handle.waits_for(rank):
                     continue
                 if rank in self._failed:
-                    self._finish(handle, rank, self._failed[rank])
+                    self._finish(handle, rank, self._failed[rank], lost=True)
                     continue
                 if not self._deliver(rank, push, message, command=handle is None):
                     self._check_exit(rank)
-                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"))
+                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"), lost=True)
 
     def _send_to(self, rank, message) -> bool:
         """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
@@ -87,18 +87,18 @@ class TaskChannel:
                 pass
         return False
 
-    def _finish(self, handle, rank, error=None):
+    def _finish(self, handle, rank, error=None, **report):
         if handle is None:
             return
-        handle._rank_finished(rank, error)
+        handle.rank_finished(rank, error, **report)
         if handle.done():
             with self._handles_lock:
                 self._handles.pop(handle.task_id, None)
 
-    def _reply_for(self, task_id, rank, error=None):
+    def _reply_for(self, task_id, rank, error=None, **report):
         with self._handles_lock:
             handle = self._handles.get(task_id)
-        self._finish(handle, rank, error)
+        self._finish(handle, rank, error, **report)
 
     def _on_reply(self, frames):
         who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
@@ -116,7 +116,7 @@ class TaskChannel:
         if kind == "register":
             self._registered[rank] = True
         elif kind == "done":
-            self._reply_for(header["task_id"], rank)
+            self._reply_for(header["task_id"], rank, nbytes=header["nbytes"], skipped=header["skipped"])
         elif kind == "failed":
             self._reply_for(header["task_id"], rank, header["error"])
         elif kind in ("phase_done", "phase_failed"):

@@ -66,30 +66,41 @@ class TransferHandle(Completion):
         super().__init__()
         self.task_id = task_id
         self.kind = kind
-        self.nbytes = nbytes                 # bytes moved over all ranks
+        self.nbytes = nbytes                 # bytes over all ranks: asked for, then as the ranks reported them
+        self.skipped = 0                     # store puts: objects a full store did not take, most on one rank
         self._pending = set(ranks)
         self._errors: dict[int, str] = {}
+        self._reported = 0
+        self._lost: set[int] = set()         # ranks failed by the engine (dead, restarted, closed), not by a task
 
     @classmethod
     def completed(cls, kind: str) -> "TransferHandle":
         """A handle that is already done, for a request with nothing to move (task_id 0)."""
         handle = cls(0, kind, [None], 0)
-        handle._rank_finished(None)
+        handle.rank_finished(None, nbytes=0)
         return handle
 
     def _waiting(self) -> bool:
         return bool(self._pending)
 
-    def _rank_finished(self, rank: int, error: str | None = None):
-        """Called by the engine's I/O thread (or on a rank's death) once per rank."""
+    def rank_finished(self, rank: int, error: str | None = None, nbytes: int = 0, skipped: int = 0,
+                      lost: bool = False):
+        """Called by the engine's I/O thread with a rank's report, or with lost=True where the engine fails
+        the rank itself (its process died or was restarted, or the backend closed)."""
         with self._lock:
             if rank not in self._pending:
                 return
             self._pending.discard(rank)
             if error is not None:
                 self._errors[rank] = error
+                if lost:
+                    self._lost.add(rank)
+            self._reported += nbytes
+            self.skipped = max(self.skipped, skipped)
             if self._pending:
                 return
+            if not self._errors:
+                self.nbytes = self._reported
             callbacks = self._mark_done()
         self._release(callbacks)
 
@@ -100,6 +111,12 @@ class TransferHandle(Completion):
             return None
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
         return f"task {self.task_id} ({self.kind}) failed on {detail}"
+
+    @property
+    def ranks_lost(self) -> bool:
+        """Failed only because the engine lost ranks (dead, restarted, closed): no rank's task reported an
+        error of its own, so the store (for a store task) is not to blame."""
+        return bool(self._errors) and set(self._errors) <= self._lost
 
     def waits_for(self, rank) -> bool:
         """Is rank's report still outstanding? (A set lookup: safe without the lock under the GIL.)"""

@@ -91,7 +91,7 @@ class RankSupervision:
         with self._handles_lock:
             handles = list(self._handles.values())
         for handle in handles:
-            handle._rank_finished(rank, why)
+            handle.rank_finished(rank, why, lost=True)
         self._forget_done(handles)
         with self._phase_cond:
             self._phase_cond.notify_all()
@@ -101,7 +101,7 @@ class RankSupervision:
             handles, self._handles = list(self._handles.values()), {}
         for handle in handles:
             for rank in handle.pending_ranks():
-                handle._rank_finished(rank, why)
+                handle.rank_finished(rank, why, lost=True)
 
     def _forget_done(self, handles):
         with self._handles_lock:

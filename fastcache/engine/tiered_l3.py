@@ -150,7 +150,8 @@ class L3Tier:
     def _written_through(self, handle, pinned, namespace):
         self._l3_written(handle, len(pinned))
         with self._lock:
-            if handle.error is None and namespace == self._namespace:
+            # a full store skipped some puts (which, the reports do not say): none is known to be there
+            if handle.error is None and not handle.skipped and namespace == self._namespace:
                 self._known().update(k for k, e in pinned if self._index.get(k) is e)
         self._unpin_all(pinned)
 
@@ -161,10 +162,12 @@ class L3Tier:
 
     def _l3_written(self, handle, n):
         if handle.error is not None:
-            self._l3_failed(handle.error)
+            if not handle.ranks_lost:       # a rank restarted or died: says nothing about the store
+                self._l3_failed(handle.error)
             return
         with self._lock:
-            self._counts["l3_written_blocks"] += n
+            self._counts["l3_written_blocks"] += n - handle.skipped
+            self._counts["l3_skipped_blocks"] += handle.skipped
             self._counts["l3_written_bytes"] += handle.nbytes
 
     def _l3_failed(self, why: str):

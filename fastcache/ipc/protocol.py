@@ -27,7 +27,8 @@ SCHEMAS = {
     "register": {"rank": int, "pid": int},
     "task": {"task_id": int, "kind": str, "dtype": str, "count": int},
     "store_task": {"task_id": int, "kind": str, "namespace": str, "count": int},
-    "done": {"task_id": int, "rank": int, "nbytes": int, "seconds": float},
+    "done": {"task_id": int, "rank": int, "nbytes": int, "skipped": int, "seconds": float},   # skipped: puts a
+    #   full store did not take
     "failed": {"task_id": int, "rank": int, "error": str},
     "clear": {"release_swap_space": bool},
     "restore": {},

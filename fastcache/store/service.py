@@ -54,7 +54,8 @@ def _listening(host: str, port: int) -> bool:
 
 
 class MooncakeService:
-    """`with MooncakeService(segment_mb=256) as svc: SwapBackend(..., store=svc.url)`"""
+    """`with MooncakeService(segment_mb=256) as svc: SwapBackend(..., store=svc.url)`; segment_mb=0 starts
+    the master alone, a pool with no memory lent to it (every put finds no room)."""
 
     def __init__(self, segment_mb: int = 256, start_timeout: float = 30.0, host: str = LOOPBACK):
         self.segment_mb, self.start_timeout, self.host = segment_mb, start_timeout, host
@@ -77,6 +78,8 @@ class MooncakeService:
         self.port, self.metrics_port, self.server_port = (free_port(self.host) for _ in range(3))
         try:
             self.start_master()
+            if not self.segment_mb:
+                return self
             self.server = self._spawn("server", [
                 mooncake_binary("mooncake_client"), f"--master_server_address={self.host}:{self.port}",
                 "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.segment_mb << 20}",

@@ -44,9 +44,9 @@ class StoreIO:
         self.skipped_full = 0           # objects a full store did not take
         self._full_logged = -60.0
 
-    def run(self, task: StoreTask, blocks: np.ndarray, spec: CacheSpec, tp_size: int) -> int:
+    def run(self, task: StoreTask, blocks: np.ndarray, spec: CacheSpec, tp_size: int) -> tuple[int, int]:
         """Execute one L3 task against the rank's CPU tier (`blocks`: each block with its slot); returns the
-        bytes moved."""
+        bytes moved and the puts a full store skipped."""
         store = self._open(blocks, spec.cpu_block_bytes)
         fp = fingerprint(spec, tp_size)
         keys = self._keys.get((task.namespace, fp))
@@ -55,21 +55,27 @@ class StoreIO:
         if task.kind == protocol.CPU_TO_STORE:
             full = store.put(keys, task.hashes, task.cpu_ids)
             if full:
-                self._note_full(full)
-            return (len(task.cpu_ids) - full) * spec.cpu_block_bytes
+                self._note_full(full, len(task.cpu_ids))
+            return (len(task.cpu_ids) - full) * spec.cpu_block_bytes, full
         else:
             hits = store.get(keys, task.hashes, task.cpu_ids)
             if not hits.all():
                 raise StoreError(f"{MISS}: store {self.url}: {int((~hits).sum())} of {len(hits)} objects missing "
                                  f"or not matching their header (evicted, foreign or corrupt), e.g. hash "
                                  f"{int(task.hashes[~hits][0]):#018x}")
-        return len(task.cpu_ids) * spec.cpu_block_bytes
+        return len(task.cpu_ids) * spec.cpu_block_bytes, 0
 
-    def _note_full(self, n):
-        """Puts a full store skipped: later misses, not errors. Logged at most once a minute."""
+    def _note_full(self, n, asked):
+        """Puts a full store skipped: later misses, not errors. The first is a WARNING naming the likely
+        cause; then a line at most once a minute."""
         self.skipped_full += n
         now = time.monotonic()
-        if now >= self._full_logged + 60:
+        if self.skipped_full == n:
+            self._full_logged = now
+            log.warning("rank %d: store %s took %d of %d objects: no memory is lent to the pool (start a memory "
+                        "server, or lend some with segment_mb= in the store URL) or the pool is full; skipped "
+                        "puts are later misses (l3_skipped_blocks)", self.rank, self.url, asked - n, asked)
+        elif now >= self._full_logged + 60:
             self._full_logged = now
             log.info("rank %d: store %s full: %d puts skipped so far (it evicts to make room)", self.rank, self.url,
                      self.skipped_full)

@@ -294,15 +294,15 @@ class TransferManager:
             elif task.kind == protocol.SWAP_TO_GPU:
                 self.copier.swap_in(task.gpu_ids, task.cpu_ids)
             else:
-                nbytes = self.l3.run(task, self.swap.blocks, self.spec, self.tp_size)
+                nbytes, skipped = self.l3.run(task, self.swap.blocks, self.spec, self.tp_size)
         except Exception as exc:
             log.error("rank %d: task %d failed: %s", self.rank, task.task_id, exc)
             return protocol.encode("failed", task_id=task.task_id, rank=self.rank,
                                    error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
         if task.kind in protocol.TASK_KINDS:
-            nbytes = self.spec.task_bytes(task.gpu_ids)
-        return protocol.encode("done", task_id=task.task_id, rank=self.rank,
-                               nbytes=nbytes, seconds=time.perf_counter() - start)
+            nbytes, skipped = self.spec.task_bytes(task.gpu_ids), 0
+        return protocol.encode("done", task_id=task.task_id, rank=self.rank, nbytes=nbytes, skipped=skipped,
+                               seconds=time.perf_counter() - start)
 
     def _maybe_fail(self, task):
         self.tasks_seen += 1
