@@ -343,3 +343,51 @@ def test_a_write_through_is_put_under_the_namespace_its_block_was_stored_in(tmp_
         assert backend.store_contains("m/0", [7]).all() and not backend.store_contains("m/1", [7]).any()
         cache._lock = lock
         cache.close()
+
+
+@pytest.mark.parametrize("closing", ["cache", "backend"])
+def test_puts_in_flight_land_before_close_returns(tmp_path, closing):
+    """Write-through puts still queued or in flight when the cache (or the backend, with the cache left
+    open) is closed are waited for: every object is in the store afterwards, none is reported as failed,
+    and the cache's writer thread is gone."""
+    spec = small_spec(num_gpu_blocks=64, num_cpu_blocks=64, num_layers=8, head_dim=128)
+    url = f"file://{tmp_path}/l3"
+    rng = np.random.default_rng(9)
+    hashes = list(range(1000, 1048))
+    with deployment(spec, tp=2, store=url) as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=64, write="through")
+        fill(workers, list(range(48)), rng)
+        for k in range(0, 48, 8):
+            cache.store(hashes[k:k + 8], list(range(k, k + 8))).result(timeout=30)
+        writer = cache._l3_writer
+        if closing == "cache":
+            cache.close()
+        else:
+            backend.close()
+        assert writer is None or not writer.is_alive()
+        stats = cache.stats()
+        assert stats["l3_written_blocks"] == 48 and stats["l3_errors"] == 0, stats
+    with deployment(spec, tp=2, store=url) as (backend, _):
+        assert backend.store_contains("m", hashes).all()
+
+
+def test_flush_waits_for_the_puts_and_reports_what_did_not_land(tmp_path):
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=16)
+    with deployment(spec, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=8, write="through")
+        fill(workers, [0, 1, 2], np.random.default_rng(10))
+        cache.store([1, 2, 3], [0, 1, 2]).result(timeout=30)
+        assert cache.flush(timeout=30) == 0
+        assert backend.store_contains("m", [1, 2, 3]).all()
+        os.rename(tmp_path / "l3", tmp_path / "aside")
+        (tmp_path / "l3").write_bytes(b"")          # a file where the store's directory was: puts fail
+        try:
+            cache.store([4, 5], [3, 4]).result(timeout=30)
+            assert cache.flush(timeout=30) == 2
+            assert cache.flush(timeout=30) == 0     # counted once
+        finally:
+            os.remove(tmp_path / "l3")
+            os.rename(tmp_path / "aside", tmp_path / "l3")
+        with pytest.raises(ValueError, match="timeout"):
+            cache.flush(timeout=-1)
+        cache.close()

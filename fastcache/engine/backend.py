@@ -315,6 +315,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         if self._closed or not self._started:
             self._closed = True
             return
+        self._close_caches()
         self._closed = True
         if getattr(self, "_io_thread", None) is not None:
             self._send_all(protocol.encode("stop"))

@@ -232,6 +232,11 @@ class ReshardPhase:
         """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
         self._tiered_caches.add(cache)
 
+    def _close_caches(self):
+        """Before the transfer managers stop: each cache's puts in flight land (bounded) or are reported."""
+        for cache in list(self._tiered_caches):
+            cache.close()
+
     def _wait_caches_quiet(self, deadline):
         """A TieredCache call past its checks may hold CPU block ids it has yet to submit (its submission is
         refused now): the blocks are counted and renamed only once no such call is left."""

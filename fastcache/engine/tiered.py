@@ -29,6 +29,7 @@ handle's completion callback, which takes it, may run on a submitting thread.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict, deque
 from itertools import filterfalse, islice, takewhile
@@ -42,6 +43,8 @@ from ..ipc.signal import NORMAL, STATUS_NAMES
 from .handle import TransferHandle
 from .ids import as_gpu_ids, as_hash_list
 from .tiered_l3 import BLOCK, DONE, PINS, QUOTA, READY, STATE, STORING, WRITE_MODES, L3Tier
+
+log = logging.getLogger("fastcache.engine")
 
 _pins, _block = itemgetter(PINS), itemgetter(BLOCK)
 
@@ -221,8 +224,18 @@ class TieredCache(L3Tier):
         out["hit_rate"] = out["hits"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0
         return out
 
-    def close(self):
-        """Drop every entry and give the quota back to the allocator (blocks in flight: once done)."""
+    def close(self, timeout: float = 30.0):
+        """Wait up to `timeout` seconds for the puts to the store in flight (flush), then drop every entry
+        and give the quota back to the allocator (blocks in flight: once done). Blocks that did not reach
+        the store are logged in one WARNING. The backend's close closes its caches first."""
+        with self._lock:
+            if self._closed:
+                return
+        lost = self.flush(timeout) if self._l3 else 0
+        if lost:
+            log.warning("TieredCache %r: %d blocks did not reach the store %s before close (failed, skipped by a "
+                        "full store, or still in flight after %s s)", self._namespace, lost, self.backend.store_url,
+                        timeout)
         with self._lock:
             if self._closed:
                 return

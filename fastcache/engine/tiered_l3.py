@@ -56,6 +56,9 @@ class L3Tier:
         self._l3_down_until = 0.0
         self._l3_writer = None              # the write-through thread, started on first use
         self._l3_jobs = queue.SimpleQueue()
+        self._l3_outstanding = 0            # blocks queued for a put or in a put not yet finished
+        self._l3_unwritten = 0              # blocks whose put failed or was skipped, since the last flush
+        self._l3_idle = threading.Condition(self._lock)
 
     def _l2_holds(self, keys) -> bool:
         with self._lock:
@@ -96,11 +99,14 @@ class L3Tier:
         if not victims:
             return
         keys = [key for key, _ in victims]
+        self._puts_begin(len(keys))
         try:
             handle = self.backend.cpu_to_store(namespace, keys, [block for _, block in victims])
         except RefusedError:        # the deployment is being cleared or resharded, not the store failing:
-            return                  # these victims go unwritten, and the store stays in use
+            self._puts_end(len(keys), len(keys))    # these victims go unwritten, and the store stays in use
+            return
         except (TransferError, ValueError) as exc:
+            self._puts_end(len(keys), len(keys))
             self._l3_failed(f"write-back: {exc}")
             return
         handle.add_done_callback(lambda h: self._l3_written(h, len(keys)))
@@ -119,6 +125,7 @@ class L3Tier:
             for _, entry in pinned:
                 entry[PINS] += 1            # not evicted (its block not reused) before the put has read it
             self._busy += bool(pinned)      # until the writer has submitted the put
+            self._l3_outstanding += len(pinned)
         if pinned:
             self._l3_jobs.put((namespace, pinned))
             self._start_writer()
@@ -141,6 +148,7 @@ class L3Tier:
             except (TransferError, ValueError) as exc:
                 if not isinstance(exc, RefusedError):       # a refusal says nothing about the store
                     self._l3_failed(f"write-through: {exc}")
+                self._puts_end(len(pinned), len(pinned))
                 self._unpin_all(pinned)
                 continue
             finally:
@@ -161,6 +169,7 @@ class L3Tier:
                 self._unpin(key, entry)
 
     def _l3_written(self, handle, n):
+        self._puts_end(n, n if handle.error is not None else handle.skipped)
         if handle.error is not None:
             if not handle.ranks_lost:       # a rank restarted or died: says nothing about the store
                 self._l3_failed(handle.error)
@@ -169,6 +178,28 @@ class L3Tier:
             self._counts["l3_written_blocks"] += n - handle.skipped
             self._counts["l3_skipped_blocks"] += handle.skipped
             self._counts["l3_written_bytes"] += handle.nbytes
+
+    def _puts_begin(self, n):
+        with self._lock:
+            self._l3_outstanding += n
+
+    def _puts_end(self, n, unwritten):
+        with self._lock:
+            self._l3_outstanding -= n
+            self._l3_unwritten += unwritten
+            if not self._l3_outstanding:
+                self._l3_idle.notify_all()
+
+    def flush(self, timeout: float = 30.0) -> int:
+        """Wait up to `timeout` seconds until every put this cache has queued or submitted to the store has
+        finished. Returns how many of the blocks it tried to put since the last flush are not in the store:
+        failed, skipped by a full store, or still in flight at the timeout (0: every one landed)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
+            raise ValueError(f"flush timeout must be a number of seconds in [0, 86400], got {timeout!r}")
+        with self._lock:
+            self._l3_idle.wait_for(lambda: not self._l3_outstanding, timeout)
+            lost, self._l3_unwritten = self._l3_unwritten + self._l3_outstanding, 0
+        return lost
 
     def _l3_failed(self, why: str):
         with self._lock:
