@@ -267,6 +267,35 @@ def test_tiered_cache_keeps_serving_from_the_cpu_tier_with_the_master_dead():
         cache.close()
 
 
+def test_tiered_cache_uses_a_restarted_master_once_a_probe_reaches_it(monkeypatch):
+    """Master killed: the cache sets the store aside. Restarted: the probe after the pause reaches it, and
+    the cache uses it again without a second pause (no error counted after the restart)."""
+    from fastcache.engine import tiered_l3
+    monkeypatch.setattr(tiered_l3, "L3_BACKOFF", 2.0)
+    monkeypatch.setattr(tiered_l3, "L3_PROBE_INTERVAL", 0.2)
+    with MooncakeService(segment_mb=64) as svc, deployment(SPEC, tp=2, store=svc.url) as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4)
+        svc.kill_master()
+        cache.lookup_tiers([1, 2])                  # the CPU tier misses: the store is asked, and fails
+        assert cache.stats()["l3_errors"] == 1
+        svc.start_master()
+        restarted = time.monotonic()
+        cpu = backend.allocate_cpu_blocks(1)
+        wait_for(lambda: _put_succeeds(backend, cpu), 60, "a put to the restarted master")
+        wait_for(lambda: cache.lookup_tiers([99]) == (1, 1), 30, "the cache using the restarted master")
+        print(f"store back in the cache {time.monotonic() - restarted:.1f} s after the master restarted")
+        assert cache.stats()["l3_errors"] == 1
+        cache.close()
+
+
+def _put_succeeds(backend, cpu) -> bool:
+    """A put that landed: a restarted master skips puts until the memory server has mounted its memory again."""
+    try:
+        return backend.cpu_to_store("m", [99], cpu).result(timeout=60).skipped == 0
+    except TransferError:
+        return False
+
+
 def test_a_full_store_skips_puts_instead_of_failing_them():
     """A cache's store is full most of the time: a put that finds no room is a later miss, never an error
     (an error would set the store aside for every lookup and load)."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from conftest import all_tensors, cpu_image, deployment, round_trip, small_spec, wait_for
 from fastcache import TieredCache, TransferError
+from fastcache.engine import tiered_l3
 from fastcache.engine.combined import CombinedHandle
 from fastcache.store import fingerprint
 from fastcache.store.keys import ObjectKeys
@@ -390,4 +392,60 @@ def test_flush_waits_for_the_puts_and_reports_what_did_not_land(tmp_path):
             os.rename(tmp_path / "aside", tmp_path / "l3")
         with pytest.raises(ValueError, match="timeout"):
             cache.flush(timeout=-1)
+        cache.close()
+
+
+def test_a_store_set_aside_is_probed_and_used_again_as_soon_as_it_answers(tmp_path, monkeypatch):
+    """After the pause the store is probed, not used: a lookup while it still fails neither asks it nor
+    counts an error (which would start a second pause), and once it answers it is back within a probe
+    interval."""
+    monkeypatch.setattr(tiered_l3, "L3_BACKOFF", 2.0)
+    monkeypatch.setattr(tiered_l3, "L3_PROBE_INTERVAL", 0.1)
+    store, aside = tmp_path / "l3", tmp_path / "aside"
+    rng = np.random.default_rng(11)
+    with deployment(SPEC, tp=2, store=f"file://{store}") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=2)
+        fill(workers, [0, 1, 2, 3], rng)
+        backend.cpu_to_store("m", [77], [15]).result(timeout=30)      # an object only the store holds
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        os.rename(store, aside)
+        store.write_bytes(b"")                                          # the store now fails
+        cache.store([3, 4], [2, 3]).result(timeout=30)                  # evicts 1, 2: write-back fails
+        wait_for(lambda: cache.stats()["l3_errors"] == 1, 30, "the failed write-back")
+        time.sleep(2.5)                                                 # the pause is over; probes fail
+        assert cache.lookup_tiers([77]) == (0, 0)                       # not asked: still set aside
+        assert cache.stats()["l3_errors"] == 1
+        os.remove(store)
+        os.rename(aside, store)                                         # the store answers again
+        fixed = time.monotonic()
+        wait_for(lambda: cache.lookup_tiers([77]) == (1, 1), 10, "the store back in use")
+        print(f"store back in use {time.monotonic() - fixed:.2f} s after it answered")
+        assert cache.stats()["l3_errors"] == 1
+        cache.close()
+
+
+def test_a_store_task_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monkeypatch):
+    """A put failed because the engine lost a rank (restart_rank, a dead process) does not set the
+    store aside; one that a rank failed itself does."""
+    from fastcache.engine.handle import TransferHandle
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4, write="through")
+        fill(workers, [0, 1], np.random.default_rng(12))
+        handles = []
+
+        def held_put(namespace, keys, blocks):
+            handles.append(TransferHandle(10_000 + len(handles), "CPU_TO_STORE", [0, 1], 2 * len(keys)))
+            return handles[-1]
+        monkeypatch.setattr(backend, "cpu_to_store", held_put)
+        cache.store([1], [0]).result(timeout=30)
+        wait_for(lambda: handles, 30, "the write-through put")
+        handles[0].rank_finished(0, "rank 0 was restarted (restart_rank)", lost=True)
+        handles[0].rank_finished(1, nbytes=1)
+        assert handles[0].ranks_lost and cache.stats()["l3_errors"] == 0
+        cache.store([2], [1]).result(timeout=30)
+        wait_for(lambda: len(handles) == 2, 30, "the next write-through, the store still in use")
+        handles[1].rank_finished(0, "OSError: disk full")
+        handles[1].rank_finished(1, nbytes=1)
+        assert not handles[1].ranks_lost and cache.stats()["l3_errors"] == 1
+        monkeypatch.undo()
         cache.close()

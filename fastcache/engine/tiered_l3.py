@@ -11,7 +11,9 @@
   fails fails the handle (the GPU blocks are then undefined, as after any failed load) and drops them.
 - **The store failing never stops the CPU tier**: an error (other than a miss) counts in `l3_errors`
   and sets the store aside for L3_BACKOFF seconds, during which lookups, write-back and write-through
-  skip it. Everything submitted to the store is best effort; only a load depends on it.
+  skip it; then a thread of the cache probes it every L3_PROBE_INTERVAL seconds and puts it back in use
+  as soon as it answers. A task failed because the engine lost a rank (dead or restarted) is not the
+  store's error. Everything submitted to the store is best effort; only a load depends on it.
 
 The cache's lock is never held while calling the backend, and completion callbacks never call it: the
 write-through puts are submitted by a thread of this cache, fed by the swap-outs' callbacks.
@@ -33,7 +35,8 @@ from .combined import CombinedHandle
 
 log = logging.getLogger("fastcache.engine")
 
-L3_BACKOFF = 10.0            # seconds the store is set aside after an error
+L3_BACKOFF = 10.0            # seconds the store is set aside after an error, before it is probed
+L3_PROBE_INTERVAL = 1.0      # seconds between probes of a store set aside
 WRITE_MODES = ("back", "through")
 # TieredCache's entry: a 4-item list, [CPU block, quota generation, pins, state]. A store makes 64 of them
 # per prompt, and a list costs a third of a slotted object to make. The quota generation is the
@@ -54,6 +57,8 @@ class L3Tier:
         self._l3_known = set()              # hashes the store has under _l3_known_as, as far as we know
         self._l3_known_as = self._l3_names()
         self._l3_down_until = 0.0
+        self._l3_prober = None              # probes a store set aside; None while the store is in use
+        self._l3_closing = threading.Event()
         self._l3_writer = None              # the write-through thread, started on first use
         self._l3_jobs = queue.SimpleQueue()
         self._l3_outstanding = 0            # blocks queued for a put or in a put not yet finished
@@ -66,7 +71,7 @@ class L3Tier:
 
     # -- under the lock ----------------------------------------------------------------------------
     def _l3_usable(self) -> bool:
-        return self._l3 and time.monotonic() >= self._l3_down_until
+        return self._l3 and self._l3_prober is None
 
     def _l3_names(self):
         """What the store's keys begin with: the namespace, and the geometry (which a reshard changes)."""
@@ -204,10 +209,29 @@ class L3Tier:
     def _l3_failed(self, why: str):
         with self._lock:
             self._counts["l3_errors"] += 1
-            first = time.monotonic() >= self._l3_down_until
-            self._l3_down_until = time.monotonic() + L3_BACKOFF
+            first = self._l3_prober is None and not self._closed
+            if first:
+                self._l3_down_until = time.monotonic() + L3_BACKOFF
+                self._l3_prober = threading.Thread(target=self._probe, name="fastcache-l3-probe", daemon=True)
+                self._l3_prober.start()
         if first:
-            log.warning("L3 store set aside for %.0f s (the CPU tier serves meanwhile): %s", L3_BACKOFF, why)
+            log.warning("L3 store set aside for %.0f s, then probed (the CPU tier serves meanwhile): %s",
+                        L3_BACKOFF, why)
+
+    def _probe(self):
+        """After the pause, ask the store (the engine's client: one existence query) until it answers."""
+        wait = self._l3_down_until - time.monotonic()
+        while not self._l3_closing.wait(max(0.0, wait)):
+            try:
+                self.backend.store_contains(self._namespace, [0])
+            except (TransferError, ValueError) as exc:
+                log.debug("L3 store probe: %s", exc)
+                wait = L3_PROBE_INTERVAL
+                continue
+            with self._lock:
+                self._l3_prober = None
+            log.info("L3 store answers again: back in use")
+            return
 
     # -- lookup ------------------------------------------------------------------------------------
     def _l3_extend(self, keys, n, in_l2):
@@ -330,6 +354,7 @@ class L3Tier:
                 self._unpin(key, entry)
 
     def _stop_l3(self):
+        self._l3_closing.set()              # a prober returns at its next wait
         writer, self._l3_writer = self._l3_writer, None
         if writer is not None:
             self._l3_jobs.put(None)
