@@ -609,3 +609,60 @@ def test_a_reshard_waits_for_a_cache_call_that_named_blocks_it_has_not_submitted
             cache.close()
         finally:
             pool.close()
+
+
+def test_a_rollback_whose_callbacks_raise_still_finishes_and_names_both_failures():
+    """start_workers raises, and the rollback's stop_workers raises too (for ranks that never started): the
+    rollback goes on to the end, the old layout serves, and the error names both failures."""
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(6)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 4)
+
+        def broken_start(ranks, new_spec):
+            raise RuntimeError(f"no GPU for ranks {ranks}")
+
+        def broken_stop(ranks):
+            raise KeyError(f"ranks {ranks} were never started")
+        with pytest.raises(TransferError) as failed:
+            backend.reshard(4, start_workers=broken_start, stop_workers=broken_stop, timeout=30)
+        message = str(failed.value)
+        assert "no GPU for ranks [1, 2, 3]" in message and "were never started" in message, message
+        assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
+        assert model.check() == []
+        assert model.swap_round(4) == 4 and model.check() == []
+        backend.clear_caches(timeout=30)
+        backend.restore_caches(timeout=30)
+        with pytest.raises(ValueError, match="out of range"):
+            backend.restart_rank(2)
+        model.detach()
+        new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        assert new.num_kv_heads == 2
+
+
+@pytest.mark.parametrize("how", ["blocks", "never_ready"])
+def test_the_timeout_holds_while_a_callback_blocks_and_names_the_ranks_still_missing(how):
+    """start_workers that never returns, or returns without starting rank 2: the reshard fails within its
+    timeout naming rank 2, rolls back, and the old layout serves."""
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(7)
+    release = threading.Event()
+    with in_process_deployment(spec, tp=2) as (backend, pool):
+        model = filled_model(backend, rng, 4)
+
+        def partial_start(ranks, new_spec):
+            pool.start([r for r in ranks if r != 2], new_spec)
+            if how == "blocks":
+                release.wait(60)
+        began = time.monotonic()
+        try:
+            with pytest.raises(TransferError, match=r"rank 2\b") as failed:
+                backend.reshard(4, start_workers=partial_start, stop_workers=pool.stop, timeout=3)
+        finally:
+            release.set()
+        assert time.monotonic() - began < 3 + 10, "the reshard's timeout did not hold"
+        assert "timed out" in str(failed.value) or "did not return" in str(failed.value)
+        assert backend.status == NORMAL and backend.tp_size == 2
+        assert model.check() == []
+        assert model.swap_round(4) == 4 and model.check() == []
+        model.detach()

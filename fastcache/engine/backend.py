@@ -302,11 +302,13 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
                 f"no report from ranks {sorted(set(range(self.tp_size)) - set(acks))}"
             raise TransferError(f"{phase} failed: {detail}")
 
-    def _wait_signals(self, condition, deadline, what):
+    def _wait_signals(self, condition, deadline, what, detail=None):
+        """Until condition() holds; TransferError naming what is missing (detail(), or every rank's readiness)
+        past the deadline."""
         while not condition():
             self._raise_if_failed()
             if time.monotonic() > deadline:
-                raise TransferError(f"{what} timed out: {self._readiness()}")
+                raise TransferError(f"{what} timed out: {(detail or self._readiness)()}")
             time.sleep(0.001)
 
     # -- shutdown --------------------------------------------------------------------------------

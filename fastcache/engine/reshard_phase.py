@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -189,9 +190,12 @@ class ReshardPhase:
                     self._reshard_moves(step, deadline, stop_before_destructive=True)
                 except Exception as exc:
                     self._pending_reshard = None
-                    self._reshard_rollback(step, deadline, exc)
+                    problems = self._reshard_rollback(step, deadline, exc)
                     if self._pending_reshard is None:
                         self.allocator.thaw()
+                    if problems:
+                        raise TransferError(f"{exc}; the rollback to tp {plan.old_tp} went on to its end, but "
+                                            f"{'; '.join(problems)}") from exc
                     raise
             moving = time.perf_counter()
             try:
@@ -321,12 +325,20 @@ class ReshardPhase:
         step.fresh_started = True
         for r in plan.fresh:
             self._spawn(r, spec=new, tp=plan.new_tp, device_id=step.device_ids[r])
+
+        def ready(r):
+            return self._registered[r] and self.signals.cache_ready[r] == 1
+
+        def missing():
+            return "; ".join(f"rank {r}: worker {'ready' if self.signals.cache_ready[r] == 1 else 'not ready'}, "
+                             f"transfer manager {'registered' if self._registered[r] else 'not connected'}"
+                             for r in plan.fresh if not ready(r)) or "every new rank ready"
         try:
-            step.start_workers(list(plan.fresh), new)
-        except Exception as exc:
-            raise TransferError(f"start_workers({plan.fresh}) failed: {type(exc).__name__}: {exc}") from exc
-        self._wait_signals(lambda: all(self._registered[r] and self.signals.cache_ready[r] == 1 for r in plan.fresh),
-                           deadline, f"start of ranks {plan.fresh}")
+            call_bounded(step.start_workers, (list(plan.fresh), new), deadline, f"start_workers({plan.fresh})")
+        except TransferError as exc:
+            raise TransferError(f"{exc} ({missing()})") from exc.__cause__
+        self._wait_signals(lambda: all(ready(r) for r in plan.fresh), deadline, f"start of ranks {plan.fresh}",
+                           detail=missing)
 
     def _reshard_moves(self, step, deadline, stop_before_destructive=False):
         plan = step.plan
@@ -380,14 +392,20 @@ class ReshardPhase:
         if problems:
             raise TransferError(f"reshard {role} failed: " + "; ".join(problems))
 
-    def _reshard_rollback(self, step, deadline, cause):
-        """Nothing was overwritten: retire the new ranks and put the old layout back in service."""
+    def _reshard_rollback(self, step, deadline, cause) -> list[str]:
+        """Nothing was overwritten: retire the new ranks and put the old layout back in service. Always goes
+        on to the end; returns what failed on the way (a callback that raised or did not return)."""
         plan = step.plan
+        problems = []
         log.error("reshard to tp %d failed before any rank overwrote its old rows (%s); rolling back",
                   plan.new_tp, cause)
         try:
             if step.fresh_started:
-                self._retire(plan.fresh, step.stop_workers if callable(step.stop_workers) else None)
+                try:
+                    self._retire(plan.fresh, step.stop_workers if callable(step.stop_workers) else None,
+                                 max(deadline, time.monotonic() + 10))
+                except TransferError as exc:        # its cleanup is done: go on with the rollback
+                    problems.append(str(exc))
                 step.fresh_started = False
             m = plan.old_tp
             self._procs, self._registered = self._procs[:m], self._registered[:m]
@@ -409,14 +427,17 @@ class ReshardPhase:
                 self._pending_reshard = step
         except Exception as exc:
             log.error("rollback of the reshard to tp %d did not complete: %s", plan.new_tp, exc)
+            problems.append(f"the rollback did not complete: {exc}")
             self._pending_reshard = step
         finally:
             if self._pending_reshard is None:
                 self._drop_step_memory(step)
+        return problems
 
-    def _retire(self, ranks, stop_workers):
+    def _retire(self, ranks, stop_workers, deadline):
         """Stop these ranks' transfer managers (and, through the callback, their workers); drop their CPU
-        tiers and task sockets; take them out of the barrier."""
+        tiers and task sockets; take them out of the barrier. A callback that raises or does not return by
+        the deadline is reported (TransferError) once everything else is done."""
         procs = []
         for r in ranks:
             proc, self._procs[r] = self._procs[r], None      # supervision must not report a planned exit
@@ -432,8 +453,12 @@ class ReshardPhase:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        failed = None
         if stop_workers is not None:
-            stop_workers(list(ranks))
+            try:
+                call_bounded(stop_workers, (list(ranks),), deadline, f"stop_workers({list(ranks)})")
+            except TransferError as exc:
+                failed = exc
         for r in ranks:
             with self._submit_lock:
                 push, self._task_pushes[r] = self._task_pushes[r], None
@@ -445,12 +470,14 @@ class ReshardPhase:
         cap = self.barrier.capacity
         gone = {transfer_party(r) for r in ranks} | {worker_party(cap, r) for r in ranks}
         self.barrier.set_active([p for p in self.barrier.active if p not in gone])
+        if failed is not None:
+            raise failed
 
     def _reshard_commit(self, step, deadline):
         plan = step.plan
         if not step.retired_stopped:
             if plan.retired:
-                self._retire(plan.retired, step.stop_workers)
+                self._retire(plan.retired, step.stop_workers, deadline)
             step.retired_stopped = True
         if not step.committed_state:
             self._take_new_geometry(step)
@@ -510,3 +537,25 @@ class ReshardPhase:
                 "block_map": plan.gpu_map, "cpu_block_map": plan.cpu_map,
                 "staging_bytes": {r: plan.staging_bytes_for(r, "gpu") for r in plan.kept},
                 "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept}}
+
+
+def call_bounded(fn, args, deadline, what):
+    """fn(*args) on a thread of its own, waited for until the deadline: the reshard's timeout holds while an
+    engine's callback blocks (the callback's thread is left to finish, or not, by itself). TransferError
+    naming `what` if it raises or has not returned by then."""
+    outcome = []
+
+    def run():
+        try:
+            fn(*args)
+            outcome.append(None)
+        except BaseException as exc:        # reported to the caller, whatever it is
+            outcome.append(exc)
+    thread = threading.Thread(target=run, name="fastcache-reshard-callback", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if not outcome:
+        raise TransferError(f"{what} did not return within the reshard's timeout")
+    if outcome[0] is not None:
+        exc = outcome[0]
+        raise TransferError(f"{what} failed: {type(exc).__name__}: {exc}") from exc
