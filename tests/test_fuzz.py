@@ -258,6 +258,12 @@ def test_valid_tasks_round_trip_exactly(task_id, kind, dtype, ids):
 
 
 # -- (b) a live transfer manager's task socket -------------------------------------------------------
+def send_signed(backend, rank, frames):
+    """Frames on rank's task pipe as its engine sends them, numbered and signed: what reaches the decoder."""
+    with backend._submit_lock:
+        assert backend._deliver(rank, backend._task_pushes[rank], frames, command=True)
+
+
 def test_live_transfer_managers_survive_malformed_task_messages(caplog):
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     rng = np.random.default_rng(21)
@@ -273,8 +279,7 @@ def test_live_transfer_managers_survive_malformed_task_messages(caplog):
             got = decoded(frames)
             if got is None or got[0]["type"] != "task":
                 rejected_by.add(rank)           # this one must come back as an error reply
-            with backend._submit_lock:
-                backend._task_pushes[rank].send_multipart(frames, zmq.NOBLOCK)
+            send_signed(backend, rank, frames)
 
         throw()
         # one ordered pipe per rank: once this task is done, every message before it has been handled
@@ -297,8 +302,7 @@ def test_a_repeated_malformed_task_message_is_logged_once_by_the_engine(caplog):
     with deployment(small_spec(), tp=1) as (backend, workers):
         junk = [b'{"type": "task", "task_id": 7}']
         for _ in range(25):
-            with backend._submit_lock:
-                backend._task_pushes[0].send_multipart(junk, zmq.NOBLOCK)
+            send_signed(backend, 0, junk)
         round_trip(backend, workers, rng)       # ordered after the junk
         rejected = [r for r in engine_records(caplog) if "rejected a message" in r.getMessage()]
         assert len(rejected) == 1, [r.getMessage() for r in rejected]
@@ -409,8 +413,7 @@ def test_transfer_manager_survives_a_deeply_nested_task_message():
     rng = np.random.default_rng(26)
     with deployment(small_spec(), tp=1) as (backend, workers):
         pid = backend.transfer_pids[0]
-        with backend._submit_lock:
-            backend._task_pushes[0].send_multipart([DEEP], zmq.NOBLOCK)
+        send_signed(backend, 0, [DEEP])
         round_trip(backend, workers, rng)
         assert backend.transfer_pids == [pid]
 

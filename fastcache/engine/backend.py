@@ -23,7 +23,7 @@ from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.leftovers import remove_dead
 from ..ipc.naming import new_suffix, swap_space_name
-from ..ipc.queue import bind_replies, make_socket_dir, remove_socket_dir
+from ..ipc.queue import bind_replies, make_socket_dir, new_token, remove_socket_dir
 from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
@@ -72,6 +72,9 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
         self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
+        self._token = new_token()                   # signs every message (ipc/queue.py); never sent
+        self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
+        self._unreceived: dict[int, dict[int, tuple]] = {}    # rank -> seq -> (handle, sent at) of tasks
         self._procs: list[subprocess.Popen | None] = [None] * tp_size
         self._failed: dict[int, str] = {}          # rank -> why it is out of service
         self._registered = [False] * tp_size

@@ -14,7 +14,7 @@ import time
 import zmq
 
 from ..ipc import protocol
-from ..ipc.queue import identity_rank
+from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, identity_rank, signed, verified
 
 log = logging.getLogger("fastcache.engine")
 
@@ -56,7 +56,7 @@ class TaskChannel:
                 if rank in self._failed:
                     self._finish(handle, rank, self._failed[rank], lost=True)
                     continue
-                if not self._deliver(rank, push, message, command=handle is None):
+                if not self._deliver(rank, push, message, command=handle is None, handle=handle):
                     self._check_exit(rank)
                     self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"), lost=True)
 
@@ -66,26 +66,38 @@ class TaskChannel:
             push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
             return push is not None and self._deliver(rank, push, message, command=True)
 
-    def _deliver(self, rank, push, message, command: bool) -> bool:
-        """Send on rank's task pipe (under _submit_lock); False if no transfer manager is connected to it.
+    def _deliver(self, rank, push, message, command: bool, handle=None) -> bool:
+        """Send on rank's task pipe (under _submit_lock), numbered and signed; False if no transfer manager is
+        connected to it.
         A command for a process that has registered (through the reply socket) but whose pipe zmq has not
         set up yet, as right after restart_rank in CLEARED, waits for the pipe instead of being lost (its
         phase would wait out the barrier's timeout). A task never waits: it fails at once instead."""
-        try:
-            push.send_multipart(message, zmq.NOBLOCK)
+        seq = self._sent_seq.get(rank, 0) + 1
+        message = signed(self._token, TO_RANK, [SEQ.pack(seq)] + list(message))
+        if self._try_send(push, message):
+            self._sent(rank, seq, handle)
             return True
-        except zmq.Again:
-            pass
         proc = self._procs[rank] if command and rank < len(self._procs) else None
         deadline = time.monotonic() + PIPE_TIMEOUT
         while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.001)
-            try:
-                push.send_multipart(message, zmq.NOBLOCK)
+            if self._try_send(push, message):
+                self._sent(rank, seq, handle)
                 return True
-            except zmq.Again:
-                pass
         return False
+
+    @staticmethod
+    def _try_send(push, message) -> bool:
+        try:
+            push.send_multipart(message, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _sent(self, rank, seq, handle):
+        self._sent_seq[rank] = seq
+        if handle is not None:          # until its transfer manager has read it (_watch_unreceived)
+            self._unreceived.setdefault(rank, {})[seq] = (handle, time.monotonic())
 
     def _finish(self, handle, rank, error=None, **report):
         if handle is None:
@@ -107,8 +119,13 @@ class TaskChannel:
         if rank is None or not 0 <= rank < len(procs) or procs[rank] is None or who[1] != procs[rank].pid:
             self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
             return
+        body = verified(self._token, TO_ENGINE, frames[1:])
+        if body is None:
+            self._warn_once(("unsigned",), f"a reply not signed by this deployment's transfer managers was dropped "
+                                           f"(claimed identity {frames[0][:32]!r})")
+            return
         try:
-            header, _ = protocol.decode(frames[1:])
+            header, _ = protocol.decode(body)
         except protocol.ProtocolError as exc:
             self._warn_once(("malformed", rank), f"rank {rank}: malformed reply dropped: {exc}")
             return
@@ -132,6 +149,8 @@ class TaskChannel:
                     acks[rank] = header.get("error")
                     self._copy_seconds[rank] = header.get("copy_seconds", 0.0)
                     self._phase_cond.notify_all()
+        elif kind == "lost":
+            self._lost_messages(rank, header["first"], header["last"])
         elif kind == "error":
             self._warn_once(("error", rank), f"rank {rank} rejected a message: {header['error']}")
         else:

@@ -36,13 +36,20 @@ class RankSupervision:
                 self._context, self.socket_dir, rank, incarnation)
             if old is not None:
                 old.close(0)
+            self._sent_seq[rank], self._unreceived[rank] = 0, {}      # a new process numbers from 1
+            self.signals.task_received[rank] = 0
         cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
                "--device_id", str(device_id), "--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir,
                "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()), "--device", self.device,
                "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
         self._registered[rank] = self._attached[rank] = False
         self.signals.transfer_heartbeat[rank] = 0
-        self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        proc = self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        try:
+            proc.stdin.write(self._token.hex().encode() + b"\n")     # the token: not in argv or environ
+            proc.stdin.close()
+        except OSError:         # it died at once: supervision reports its exit
+            pass
 
     @property
     def transfer_pids(self) -> list[int]:
@@ -128,6 +135,38 @@ class RankSupervision:
                     gone = f"killed it, but it had not exited {REAP_TIMEOUT:.0f} s later"
                 self._mark_failed(rank, f"transfer manager (pid {proc.pid}) stopped answering "
                                         f"(no heartbeat for {now - beat:.1f} s); {gone}", proc=proc)
+        self._watch_unreceived()        # after the heartbeats: a silent process is named as such
+
+    def _watch_unreceived(self):
+        """A task its transfer manager has not read within the transfer timeout fails on that rank (another
+        process of the user took it off the pipe, or the pipe is gone); so do tasks the rank reports lost."""
+        now, limit = time.monotonic(), self.settings.transfer_timeout
+        wall = time.time()
+        late = []
+        with self._submit_lock:
+            for rank, pending in self._unreceived.items():
+                if rank >= len(self.signals.task_received):
+                    continue
+                received = int(self.signals.task_received[rank])
+                beating = wall - float(self.signals.transfer_heartbeat[rank]) < limit
+                for seq, (handle, sent) in list(pending.items()):
+                    if not handle.waits_for(rank):
+                        del pending[seq]
+                    elif seq > received and now - sent > limit and beating:     # a silent one: heartbeats
+                        del pending[seq]
+                        late.append((handle, rank))
+        for handle, rank in late:
+            self._finish(handle, rank, f"its transfer manager did not receive the task within {limit:.0f} s "
+                                       f"(another process reading rank {rank}'s task pipe?)")
+
+    def _lost_messages(self, rank, first, last):
+        with self._submit_lock:
+            pending = self._unreceived.get(rank, {})
+            lost = [pending.pop(seq)[0] for seq in range(first, last + 1) if seq in pending]
+        self._warn_once(("lost", rank), f"rank {rank}: messages {first}..{last} never reached its transfer manager: "
+                                        f"another process is reading its task pipe")
+        for handle in lost:
+            self._finish(handle, rank, "another process took the task off its task pipe (it never arrived)")
 
     def _check_exit(self, rank) -> bool:
         """If rank's transfer manager has exited, take the rank out of service naming its exit status."""

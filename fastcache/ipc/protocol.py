@@ -36,6 +36,8 @@ SCHEMAS = {
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
     "error": {"error": str},
+    # messages numbered first..last never reached this rank: another process took them off its pipe
+    "lost": {"rank": int, "first": int, "last": int},
     # a reshard step (docs/design.md §9): body is the step's JSON (engine/reshard_phase.py), frames its block maps
     "reshard": {"step": str, "body": str},
 }

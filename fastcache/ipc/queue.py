@@ -8,13 +8,22 @@ zmq tears the pipe to a dead peer down asynchronously, so a socket kept across a
 handing tasks to the dead process for as long as zmq's I/O thread is late. Replies come back on one
 ROUTER, read by the engine's I/O thread; each transfer manager's DEALER carries its rank and pid as
 identity and registers before the first task.
+
+Every message is authenticated (docs/design.md §12): frame 0 is a keyed BLAKE2b MAC of the others under
+the deployment's token, which the engine hands each transfer manager on its stdin and never sends; a
+message from any other process of the same user is dropped. Engine-to-rank messages carry a sequence
+number (frame 1), so a transfer manager sees when another process has taken messages off its pipe.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import shutil
+import struct
 import tempfile
 
 import zmq
@@ -23,6 +32,45 @@ from .naming import PREFIX
 from .shm import OWN_START
 
 OWNER_FILE = "owner.json"
+TOKEN_BYTES = 16
+MAC_BYTES = 16
+SEQ = struct.Struct("<Q")
+TO_RANK, TO_ENGINE = b"fastcache>rank", b"fastcache>engine"     # MAC personalisation: one per direction
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def read_token(stream) -> bytes:
+    """The deployment token from the first line of `stream` (hex), as the engine writes it."""
+    try:
+        token = bytes.fromhex(stream.readline().decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        token = b""
+    if len(token) != TOKEN_BYTES:
+        raise ValueError("no deployment token on stdin (the engine that spawns a transfer manager writes one)")
+    return token
+
+
+def mac(token: bytes, direction: bytes, frames) -> bytes:
+    digest = hashlib.blake2b(key=token, digest_size=MAC_BYTES, person=direction)
+    for frame in frames:
+        view = memoryview(frame)
+        digest.update(SEQ.pack(view.nbytes))        # frame boundaries are part of what is signed
+        digest.update(view)
+    return digest.digest()
+
+
+def signed(token: bytes, direction: bytes, frames: list) -> list:
+    return [mac(token, direction, frames)] + frames
+
+
+def verified(token: bytes, direction: bytes, frames: list):
+    """The frames after the MAC, or None if the MAC is missing or wrong."""
+    if len(frames) < 2 or len(frames[0]) != MAC_BYTES:
+        return None
+    return frames[1:] if hmac.compare_digest(frames[0], mac(token, direction, frames[1:])) else None
 
 
 def make_socket_dir(suffix: str) -> str:

@@ -52,6 +52,7 @@ SIGNALS = {
     "kv_cache_status": (lambda tp: (1,), np.int32),
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
+    "task_received": (lambda tp: (tp,), np.int64),      # the last message number each transfer manager read
     # reshard (docs/design.md §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
     # journal; the attempt is written last, so a reader that sees it new sees the rest new too
     "reshard_state": (lambda tp: (5,), np.int64),

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from ..config import CacheSpec, Settings
+from ..ipc.queue import read_token
 from ..store import parse_store_url
 from .manager import TransferManager
 
@@ -67,11 +68,13 @@ def main(argv=None) -> int:
         settings = Settings.from_env()
         if args.store:
             parse_store_url(args.store)
+        token = read_token(sys.stdin.buffer)
     except ValueError as exc:
         print(f"fastcache.transfer: {exc}", file=sys.stderr)
         return 2
     manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.incarnation,
-                              args.engine_pid, device=args.device, device_id=args.device_id, settings=settings, store=args.store)
+                              args.engine_pid, device=args.device, device_id=args.device_id, settings=settings, store=args.store,
+                              token=token)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return manager.run()

@@ -23,7 +23,7 @@ from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.manifest import read_manifest
 from ..ipc.naming import swap_space_name
 from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
-from ..ipc.queue import connect_client
+from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, connect_client, signed, verified
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import RESHARDING, DeploymentSignals
 from ..ops import get_ops
@@ -37,7 +37,7 @@ log = logging.getLogger("fastcache.transfer")
 class TransferManager:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str, incarnation: int,
                  engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None,
-                 store: str | None = None):
+                 store: str | None = None, token: bytes = b""):
         self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
         self.engine_pid, self.device_id = engine_pid, device_id
         self.settings = settings or Settings.from_env()
@@ -48,6 +48,9 @@ class TransferManager:
         self.barrier.register(transfer_party(rank))
         self.context = zmq.Context()
         self.tasks, self.sock = connect_client(self.context, socket_dir, rank, incarnation)
+        self.token = token                  # the deployment's: every message in and out is signed with it
+        self.next_seq = 1                   # the engine numbers its messages to this process from 1
+        self.unsigned_dropped = 0
         self.done_pull = self.context.socket(zmq.PULL)
         self.done_pull.bind(f"inproc://done{rank}")
         self.cache = self.swap = self.copier = None
@@ -198,6 +201,9 @@ class TransferManager:
                 frames = self.tasks.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return None
+            frames = self._authentic(frames)
+            if frames is None:
+                continue
             try:
                 header, ids = protocol.decode(frames)
             except protocol.ProtocolError as exc:
@@ -220,6 +226,27 @@ class TransferManager:
                 return "stop"
             else:
                 self.send("error", error=f"unexpected message type {kind!r} for a transfer manager")
+
+    def _authentic(self, frames):
+        """The message's frames if the engine signed and numbered it, else None (dropped). A number past
+        the next expected one means another process took the messages between off this rank's pipe: the
+        engine is told, and fails their tasks."""
+        body = verified(self.token, TO_RANK, frames)
+        if body is None or len(body) < 2 or len(body[0]) != SEQ.size:
+            self.unsigned_dropped += 1
+            if self.unsigned_dropped == 1:
+                log.warning("rank %d: a message not signed by this deployment's engine was dropped", self.rank)
+            return None
+        seq = SEQ.unpack(body[0])[0]
+        if seq < self.next_seq:
+            return None                     # replayed: a signed message is read once
+        if seq > self.next_seq:
+            log.warning("rank %d: messages %d..%d never arrived: another process is reading this rank's task "
+                        "pipe", self.rank, self.next_seq, seq - 1)
+            self.send("lost", rank=self.rank, first=self.next_seq, last=seq - 1)
+        self.next_seq = seq + 1
+        self.signals.task_received[self.rank] = seq
+        return body[1:]
 
     def _on_task(self, header, ids):
         task_id = header["task_id"]
@@ -256,7 +283,7 @@ class TransferManager:
                 self.queues[task.kind].put(task)
 
     def _finished(self, task, reply):
-        self.sock.send_multipart(reply)
+        self.sock.send_multipart(signed(self.token, TO_ENGINE, reply))
         self._dispatch(self.scheduler.complete(task.task_id))
 
     def _drain_completions(self):
@@ -270,7 +297,7 @@ class TransferManager:
             self._finished(task, frames[1:])
 
     def send(self, type_, **fields):
-        self.sock.send_multipart(protocol.encode(type_, **fields))
+        self.sock.send_multipart(signed(self.token, TO_ENGINE, protocol.encode(type_, **fields)))
 
     # -- executors (one thread per direction) ----------------------------------------------------
     def _execute(self, kind):
