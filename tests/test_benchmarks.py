@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("tier_bench.py", ["--samples", "20"], "store adds"),
     ("queue_floor.py", ["--samples", "100"], "round trip p50"),
     ("index_floor.py", ["--samples", "10"], "TieredCache.store"),
+    ("layer_bench.py", ["--layers", "4", "--blocks", "16", "--runs", "2"], "layer 0 in place"),
 ])
 def test_benchmark_runs_and_reports(script, args, expect):
     env = dict(os.environ, PYTHONPATH=str(ROOT))

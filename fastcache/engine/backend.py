@@ -174,9 +174,14 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         """Copy GPU blocks to CPU blocks on every rank."""
         return self._submit(protocol.SWAP_TO_CPU, gpu_block_ids, cpu_block_ids)
 
-    def swap_in(self, gpu_block_ids, cpu_block_ids) -> TransferHandle:
-        """Copy CPU blocks back to GPU blocks on every rank."""
-        return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids)
+    def swap_in(self, gpu_block_ids, cpu_block_ids, layerwise: bool = False) -> TransferHandle:
+        """Copy CPU blocks back to GPU blocks on every rank. layerwise=True copies layer by layer in layer
+        order and publishes each: `handle.wait_layer(i)` returns once layer i is in place, so a forward
+        can start on layer 0 while later layers are still copying."""
+        if not isinstance(layerwise, bool):
+            raise ValueError(f"layerwise must be a bool, got {layerwise!r}")
+        return self._submit_ids(protocol.SWAP_TO_GPU, *self._validate(protocol.SWAP_TO_GPU, gpu_block_ids,
+                                                                       cpu_block_ids), layerwise=layerwise)
 
     def _submit(self, kind, gpu_block_ids, cpu_block_ids) -> TransferHandle:
         return self._submit_ids(kind, *self._validate(kind, gpu_block_ids, cpu_block_ids))
@@ -188,7 +193,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         wire = wire_dtype(self.spec)
         return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
 
-    def _submit_ids(self, kind, gpu_ids, cpu_ids) -> TransferHandle:
+    def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False) -> TransferHandle:
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         status = self.signals.status
@@ -201,9 +206,11 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
                                 self.spec.task_bytes(gpu_ids) * self.tp_size)
         handle.add_done_callback(self.counters.record)
+        if layerwise:
+            handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers)
         with self._handles_lock:
             self._handles[handle.task_id] = handle
-        self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids), handle)
+        self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise), handle)
         return handle
 
     def _validate(self, kind, gpu_block_ids, cpu_block_ids):

@@ -6,6 +6,7 @@ import threading
 import time
 
 from ..errors import TransferError
+from ..ipc.layers import wait_layer
 
 log = logging.getLogger("fastcache.engine")
 
@@ -72,6 +73,7 @@ class TransferHandle(Completion):
         self._errors: dict[int, str] = {}
         self._reported = 0
         self._lost: set[int] = set()         # ranks failed by the engine (dead, restarted, closed), not by a task
+        self._layers = None                  # (signals, ranks, layers) of a layer-by-layer swap-in
 
     @classmethod
     def completed(cls, kind: str) -> "TransferHandle":
@@ -111,6 +113,24 @@ class TransferHandle(Completion):
             return None
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
         return f"task {self.task_id} ({self.kind}) failed on {detail}"
+
+    def publishes_layers(self, signals, ranks, layers: int):
+        """Set by the backend on a layer-by-layer swap-in before it is sent."""
+        self._layers = (signals, list(ranks), layers)
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> "TransferHandle":
+        """Of a swap_in(..., layerwise=True): wait until `layer`'s rows are in place on every rank (layers
+        arrive in order, so every layer below it is too). Raises the task's TransferError as soon as it
+        fails (every waiter wakes with it), TimeoutError after `timeout` seconds."""
+        if self._layers is None:
+            raise ValueError("wait_layer needs a layer-by-layer swap-in: swap_in(..., layerwise=True)")
+        signals, ranks, layers = self._layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+            raise ValueError(f"layer must be an int in [0, {layers}), got {layer!r}")
+        if self.done():
+            return self.result()
+        wait_layer(signals, ranks, self.task_id, layer, timeout, failed=lambda: self.error if self.done() else None)
+        return self
 
     @property
     def ranks_lost(self) -> bool:

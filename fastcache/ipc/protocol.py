@@ -25,7 +25,7 @@ MAX_ERROR_CHARS = 2000
 # message type -> required fields and their types; no other field is accepted
 SCHEMAS = {
     "register": {"rank": int, "pid": int},
-    "task": {"task_id": int, "kind": str, "dtype": str, "count": int},
+    "task": {"task_id": int, "kind": str, "dtype": str, "count": int, "layerwise": bool},
     "store_task": {"task_id": int, "kind": str, "namespace": str, "count": int},
     "done": {"task_id": int, "rank": int, "nbytes": int, "skipped": int, "seconds": float},   # skipped: puts a
     #   full store did not take
@@ -60,10 +60,11 @@ def encode(type_: str, **fields) -> list[bytes]:
     return [json.dumps({"type": type_, **fields}, separators=(",", ":")).encode()]
 
 
-def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray) -> list[bytes]:
+def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray,
+                layerwise: bool = False) -> list[bytes]:
     dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
     wire = ID_DTYPES[dtype]
-    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids))
+    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise)
     return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
 
 

@@ -45,6 +45,8 @@ class IPCSignal:
         self._seg.close()
 
 
+LAYER_SLOTS = 64         # layer-by-layer swap-ins a rank publishes at once (slot: task id modulo this)
+
 # name -> (shape per tp_size, dtype)
 SIGNALS = {
     "cache_ready": (lambda tp: (tp,), np.int32),
@@ -53,6 +55,8 @@ SIGNALS = {
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
     "task_received": (lambda tp: (tp,), np.int64),      # the last message number each transfer manager read
+    # layer-by-layer swap-ins (ipc/layers.py): per rank and slot, [task id, layers in place]
+    "layer_ready": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
     # reshard (docs/design.md §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
     # journal; the attempt is written last, so a reader that sees it new sees the rest new too
     "reshard_state": (lambda tp: (5,), np.int64),

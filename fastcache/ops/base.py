@@ -75,6 +75,13 @@ class Copier(ABC):
     def swap_in(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray):
         """CPU blocks -> GPU blocks; returns once the bytes are on the device."""
 
+    def swap_in_layers(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray, layers: int, published):
+        """swap_in, calling published(layer) once the rows of every layer up to `layer` are on the device.
+        This default copies every layer at once and then publishes the last (a device that copies layer by
+        layer overrides it); a layer is never published before its bytes are in place."""
+        self.swap_in(gpu_ids, cpu_ids)
+        published(layers - 1)
+
     def close(self):
         pass
 

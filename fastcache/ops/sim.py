@@ -96,6 +96,7 @@ class SimCopier(Copier):
         # (GPU view [tensors, blocks, bytes], CPU view [cpu blocks, tensors, bytes], blocks) per group
         self._groups = [(gpu, swap.rows[:, cols].reshape(len(swap.rows), gpu.shape[0], gpu.shape[2]), blocks)
                         for gpu, cols, blocks in _group_tensors(cache)]
+        self._layers = _by_layer(self._groups, [info.layer for info in cache.infos])
 
     def swap_out(self, gpu_ids, cpu_ids):
         for gpu, cpu, keep in self._plan(gpu_ids):
@@ -107,8 +108,17 @@ class SimCopier(Copier):
             g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])
             move_rows(gpu, cpu, g, c, to_cpu=False)
 
+    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published):
+        """Layer by layer in layer order, each published as soon as its rows are in place."""
+        for layer, parts in self._layers:
+            for gpu, cpu, num_blocks in parts:
+                keep = usable_ids(gpu_ids, num_blocks, self._full)
+                g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])
+                move_chunks(gpu, cpu, g, c, to_cpu=False)   # a layer's rows: chunks, not a call per run
+            published(layer)
+
     def close(self):
-        self._groups = []       # drop the views, so detaching the cache really unmaps it
+        self._groups = self._layers = []    # drop the views, so detaching the cache really unmaps it
 
     def _plan(self, gpu_ids):
         for gpu, cpu, num_blocks in self._groups:
@@ -128,14 +138,20 @@ def move_rows(gpu, cpu, g, c, to_cpu):
     n = len(g)
     if n == 0:
         return
-    tensors, row = gpu.shape[0], gpu.shape[2]
-    if row >= RUN_MIN_ROW_BYTES and n > 1:
+    if gpu.shape[2] >= RUN_MIN_ROW_BYTES and n > 1:
         for g0, c0, length in _runs(g, c):
             if to_cpu:
                 cpu[c0:c0 + length] = gpu[:, g0:g0 + length].transpose(1, 0, 2)
             else:
                 gpu[:, g0:g0 + length] = cpu[c0:c0 + length].transpose(1, 0, 2)
         return
+    move_chunks(gpu, cpu, g, c, to_cpu)
+
+
+def move_chunks(gpu, cpu, g, c, to_cpu):
+    """move_rows in fancy-indexed chunks of about CHUNK_BYTES: few NumPy calls, cache-sized temporaries."""
+    n = len(g)
+    tensors, row = gpu.shape[0], gpu.shape[2]
     step = max(1, CHUNK_BYTES // (tensors * row))
     for s in range(0, n, step):
         gs, cs = g[s:s + step], c[s:s + step]
@@ -152,6 +168,21 @@ def _runs(g, c):
     ends = [*breaks.tolist(), len(g)]
     gl, cl = g[starts].tolist(), c[starts].tolist()
     return zip(gl, cl, (e - s for s, e in zip(starts, ends)))
+
+
+def _by_layer(groups, tensor_layers):
+    """[(layer, [(GPU view, CPU view, blocks) of that layer's tensors in each group])], in layer order: the
+    groups' tensor axis sliced where the layer changes (groups hold tensors in CacheSpec.tensors order)."""
+    parts, first = {}, 0
+    for gpu, cpu, blocks in groups:
+        layers = tensor_layers[first:first + gpu.shape[0]]
+        first += gpu.shape[0]
+        start = 0
+        for end in range(1, len(layers) + 1):
+            if end == len(layers) or layers[end] != layers[start]:
+                parts.setdefault(layers[start], []).append((gpu[start:end], cpu[:, start:end], blocks))
+                start = end
+    return sorted(parts.items())
 
 
 def _group_tensors(cache):

@@ -20,6 +20,7 @@ from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
 from ..ipc.heartbeat import Heartbeat, process_alive
+from ..ipc.layers import LayerPublisher
 from ..ipc.manifest import read_manifest
 from ..ipc.naming import swap_space_name
 from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
@@ -257,7 +258,7 @@ class TransferManager:
         except ValueError as exc:
             self.send("failed", task_id=task_id, rank=self.rank, error=str(exc))
             return
-        self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1])))
+        self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1], header["layerwise"])))
 
     def _on_store_task(self, header, ids):
         task_id = header["task_id"]
@@ -318,6 +319,10 @@ class TransferManager:
             self._maybe_fail(task)
             if task.kind == protocol.SWAP_TO_CPU:
                 self.copier.swap_out(task.gpu_ids, task.cpu_ids)
+            elif task.kind == protocol.SWAP_TO_GPU and task.layerwise:
+                layers = LayerPublisher(self.signals.layer_ready, self.rank, task.task_id)
+                self.copier.swap_in_layers(task.gpu_ids, task.cpu_ids, self.spec.total_layers,
+                                           paced(layers.published))
             elif task.kind == protocol.SWAP_TO_GPU:
                 self.copier.swap_in(task.gpu_ids, task.cpu_ids)
             else:
@@ -352,3 +357,19 @@ class TransferManager:
         self.context.term()
         self.barrier.close()
         self.signals.close()
+
+
+TEST_LAYER_PACE = "FASTCACHE_TEST_LAYER_PACE"     # SECONDS, tests only: a pause after each published layer
+
+
+def paced(published):
+    """published, followed by a pause in tests: a layer published before its copy would then be seen early."""
+    try:
+        seconds = float(os.environ.get(TEST_LAYER_PACE, ""))
+    except ValueError:
+        return published
+
+    def slow(layer):
+        published(layer)
+        time.sleep(seconds)
+    return slow

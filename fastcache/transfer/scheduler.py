@@ -18,6 +18,7 @@ class Task:
     kind: str
     gpu_ids: np.ndarray
     cpu_ids: np.ndarray
+    layerwise: bool = False             # a swap-in that publishes each layer as it lands (ipc/layers.py)
     gpu_set: frozenset = field(init=False)
     cpu_set: frozenset = field(init=False)
     dispatched: bool = False

@@ -11,7 +11,9 @@ import threading
 
 from ..config import CacheSpec, Settings
 from ..ipc.barrier import phase_barrier, worker_party
+from ..errors import TransferError
 from ..ipc.heartbeat import Heartbeat
+from ..ipc.layers import wait_layer
 from ..ipc.manifest import write_manifest
 from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
@@ -145,6 +147,15 @@ class CacheWorker:
             except Exception as exc:    # a failed phase leaves the cache as it is; the engine reports it
                 log.error("rank %d: %s failed (%s); keeping the cache as it is", self.rank,
                           "clear" if attempt[0] == CLEARING else "restore", exc)
+
+    def wait_layer(self, task_id: int, layer: int, timeout: float | None = None):
+        """Wait until `layer` of the layer-by-layer swap-in `task_id` (its handle's task_id) is in place on
+        this rank: what a forward waits for before computing that layer. Raises TransferError naming the
+        rank if its transfer manager stops beating meanwhile, TimeoutError after `timeout` seconds."""
+        if self.signals is None:
+            raise TransferError("the worker is not started")
+        wait_layer(self.signals, [self.rank], task_id, layer, timeout,
+                   heartbeat_timeout=self.settings.transfer_timeout)
 
     def close(self):
         """Stop beating, free the cache, and detach from the deployment."""

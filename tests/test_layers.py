@@ -1,0 +1,152 @@
+"""Layer-by-layer swap-in (docs/design.md §5): `swap_in(..., layerwise=True)` copies layer by layer in
+layer order and publishes each layer once its rows are in place; the handle's `wait_layer(i)` and a
+worker's `wait_layer(task_id, i)` return then, never before, and a failed task wakes every waiter."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import all_tensors, deployment, randomize, round_trip, small_spec
+from fastcache import TransferError
+from fastcache.transfer.manager import TEST_LAYER_PACE
+
+SPEC = small_spec(num_layers=6, num_gpu_blocks=32, num_cpu_blocks=32)
+PACE = 0.05         # seconds after each published layer: a layer published before its copy would show
+
+
+def layer_rows(worker, blocks):
+    """{layer: [rows of each of its tensors at these GPU blocks]}."""
+    out = {}
+    for info, rows in zip(worker.spec.tensors(worker.rank, worker.device_id), all_tensors(worker)):
+        out.setdefault(info.layer, []).append(rows[blocks].copy())
+    return out
+
+
+def prepared(backend, workers, rng, n=8):
+    """n blocks swapped out; their destinations poisoned. Returns (dst, cpu, each rank's expected rows)."""
+    src, dst = rng.choice(SPEC.num_gpu_blocks, (2, n), replace=False)
+    cpu = np.array(backend.allocate_cpu_blocks(n))
+    for w in workers:
+        for rows in all_tensors(w):
+            rows[src] = rng.integers(1, 256, rows[src].shape, dtype=np.uint8)
+    want = [layer_rows(w, src) for w in workers]
+    backend.swap_out(src, cpu).result(timeout=30)
+    for w in workers:
+        for rows in all_tensors(w):
+            rows[dst] = rng.integers(1, 256, rows[dst].shape, dtype=np.uint8)
+    return dst, cpu, want
+
+
+def test_each_layer_is_in_place_when_its_wait_returns_and_not_before(monkeypatch):
+    monkeypatch.setenv(TEST_LAYER_PACE, str(PACE))
+    rng = np.random.default_rng(50)
+    with deployment(SPEC, tp=2) as (backend, workers):
+        dst, cpu, want = prepared(backend, workers, rng)
+        began = time.monotonic()
+        handle = backend.swap_in(dst, cpu, layerwise=True)
+        ready_at = []
+        for layer in range(SPEC.num_layers):
+            handle.wait_layer(layer, timeout=30)
+            ready_at.append(time.monotonic() - began)
+            for w, expected in zip(workers, want):
+                got = layer_rows(w, dst)
+                for below in range(layer + 1):           # this layer and every one before it
+                    for g, e in zip(got[below], expected[below]):
+                        np.testing.assert_array_equal(g, e)
+        handle.result(timeout=30)
+        assert not handle.done() or ready_at[0] < ready_at[-1]
+        # the worker's side waits by task id on its own rank
+        for w in workers:
+            w.wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=5)
+        round_trip(backend, workers, rng)
+
+
+def test_layer_zero_is_ready_well_before_the_whole_task(monkeypatch):
+    """Measured here only as an order: layer 0's wait returns before the task is done (the benchmark
+    prints the times)."""
+    monkeypatch.setenv(TEST_LAYER_PACE, str(PACE))
+    rng = np.random.default_rng(51)
+    with deployment(SPEC, tp=1) as (backend, workers):
+        dst, cpu, _ = prepared(backend, workers, rng)
+        handle = backend.swap_in(dst, cpu, layerwise=True)
+        handle.wait_layer(0, timeout=30)
+        assert not handle.done()                    # five paced layers are still to come
+        handle.result(timeout=30)
+
+
+def test_a_transfer_manager_killed_while_a_layer_is_awaited_fails_every_waiter_naming_it(monkeypatch):
+    monkeypatch.setenv(TEST_LAYER_PACE, "1.0")
+    monkeypatch.setenv("FASTCACHE_TRANSFER_TIMEOUT", "2")
+    monkeypatch.setenv("FASTCACHE_HEARTBEAT_INTERVAL", "0.2")
+    rng = np.random.default_rng(52)
+    with deployment(SPEC, tp=2) as (backend, workers):
+        dst, cpu, _ = prepared(backend, workers, rng)
+        handle = backend.swap_in(dst, cpu, layerwise=True)
+        handle.wait_layer(0, timeout=30)
+        errors = {}
+
+        def worker_waits():
+            try:
+                workers[1].wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=30)
+            except Exception as exc:      # recorded for the assertions below
+                errors["worker"] = exc
+        waiter = threading.Thread(target=worker_waits)
+        waiter.start()
+        began = time.monotonic()
+        backend._procs[1].kill()
+        with pytest.raises(TransferError, match="rank 1"):
+            handle.wait_layer(SPEC.num_layers - 1, timeout=30)
+        waiter.join(30)
+        assert not waiter.is_alive(), "the worker was left blocked"
+        assert isinstance(errors.get("worker"), TransferError) and "rank 1" in str(errors["worker"])
+        assert time.monotonic() - began < 2 + 10
+        backend.restart_rank(1)
+        backend.wait_ready(timeout=30)
+        monkeypatch.delenv(TEST_LAYER_PACE)
+        round_trip(backend, workers, rng)
+
+
+def test_bad_layer_requests_are_refused_before_anything_moves():
+    rng = np.random.default_rng(53)
+    with deployment(SPEC, tp=1) as (backend, workers):
+        dst, cpu, _ = prepared(backend, workers, rng, n=2)
+        with pytest.raises(ValueError, match="layerwise must be a bool"):
+            backend.swap_in(dst, cpu, layerwise="yes")
+        plain = backend.swap_in(dst, cpu)
+        with pytest.raises(ValueError, match="layerwise=True"):
+            plain.wait_layer(0)
+        plain.result(timeout=30)
+        handle = backend.swap_in(dst, cpu, layerwise=True)
+        for bad in (-1, SPEC.num_layers, 1.5, True):
+            with pytest.raises(ValueError, match="layer must be an int"):
+                handle.wait_layer(bad)
+        handle.result(timeout=30)
+        handle.wait_layer(SPEC.num_layers - 1, timeout=0)      # done: every layer is in place
+
+
+@pytest.mark.parametrize("layout", [dict(num_extra_layers=2, num_extra_gpu_blocks=12),
+                                    dict(cache_dtype="block_wise_fp8"), dict(has_value=False)],
+                         ids=["draft_layers", "fp8_scales", "k_only"])
+def test_a_layerwise_swap_in_writes_exactly_what_a_plain_one_does(layout):
+    spec = small_spec(num_layers=3, num_gpu_blocks=24, num_cpu_blocks=16, **layout)
+    rng = np.random.default_rng(54)
+    with deployment(spec, tp=2) as (backend, workers):
+        for r, w in enumerate(workers):
+            randomize(w, rng)
+            tier = backend.cpu_tier(r)
+            tier[...] = rng.integers(1, 256, tier.shape, dtype=np.uint8)
+        before = [[rows.copy() for rows in all_tensors(w)] for w in workers]
+        gpu, cpu = rng.choice(24, 10, replace=False), rng.choice(16, 10, replace=False)   # some past the drafts'
+        backend.swap_in(gpu, cpu).result(timeout=30)
+        plain = [[rows.copy() for rows in all_tensors(w)] for w in workers]
+        for w, saved in zip(workers, before):
+            for rows, old in zip(all_tensors(w), saved):
+                rows[...] = old
+        handle = backend.swap_in(gpu, cpu, layerwise=True)
+        handle.wait_layer(spec.total_layers - 1, timeout=30)
+        for w, expected in zip(workers, plain):
+            for rows, e in zip(all_tensors(w), expected):
+                np.testing.assert_array_equal(rows, e)
