@@ -49,9 +49,6 @@ def set_environment(protocol: str, local_hostname: str):
         # parallel connections per peer: +40-70% put/get on loopback here, for fastcache and raw clients alike
         os.environ.setdefault("MC_TCP_LANES_PER_PEER", "4")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")   # a dead master fails setup in ~4 s, not 90
-    # a transfer whose peer's link went down gives up after 10 s, not 30: with the master's RPC timeout
-    # (30 s) a call then fails within 40 s even when the link goes down between its RPC and its transfer
-    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "10")
     os.environ.setdefault("GLOG_minloglevel", "1")             # Mooncake's INFO lines drown our logs
 
 
