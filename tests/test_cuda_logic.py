@@ -366,3 +366,36 @@ def test_the_copy_kernel_compiles_and_a_compile_error_carries_nvrtc_log(monkeypa
     monkeypatch.setattr(kernels, "KERNEL_SOURCE", kernels.KERNEL_SOURCE + "\nthis is not C++;\n")
     with pytest.raises(kernels.TransferError, match=r"(?s)NVRTC_ERROR_COMPILATION.*this is not C\+\+"):
         kernels.compile_kernel(9, 0)
+
+
+@pytest.mark.parametrize("method", copiers.METHODS)
+@pytest.mark.parametrize("driver", [12080, 12040])
+def test_a_layer_by_layer_swap_in_publishes_each_layer_only_once_its_rows_are_in_place(fake_cuda, method, driver):
+    """Every copy method: layers in order, and when layer l is published its rows (and every earlier
+    layer's) are in place and later layers' are not yet; the end state equals a plain swap-in's."""
+    if method == "batch" and driver < 12080:
+        pytest.skip("the batch method needs a 12.8+ driver")
+    fake_cuda.driver_version = driver
+    spec = small_spec(num_gpu_blocks=24, num_cpu_blocks=16, num_layers=3, num_extra_layers=1, num_extra_gpu_blocks=8)
+    with fake_copier(spec, method=method, seed=driver) as (gpu, swap, copier):
+        rng = np.random.default_rng(driver)
+        swap.blocks[...] = rng.integers(1, 256, swap.blocks.shape, dtype=np.uint8)
+        gpu_ids, cpu_ids = rng.choice(24, 10, replace=False), rng.choice(16, 10, replace=False)
+        infos = spec.tensors()
+
+        def rows_in_place(layer):
+            ok = []
+            for info, rows in zip(infos, gpu):
+                if info.layer == layer:
+                    has = gpu_ids < info.num_blocks
+                    cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                    ok.append(np.array_equal(rows[gpu_ids[has]], swap.rows[cpu_ids[has], cols]))
+            return all(ok)
+        seen = []
+
+        def published(layer):
+            assert all(rows_in_place(done) for done in range(layer + 1)), f"layer {layer} published early"
+            assert not any(rows_in_place(later) for later in range(layer + 1, spec.total_layers))
+            seen.append(layer)
+        copier.swap_in_layers(gpu_ids, cpu_ids, spec.total_layers, published)
+        assert seen == list(range(spec.total_layers))

@@ -338,3 +338,47 @@ def test_unknown_method_and_stray_ids(rigs, monkeypatch):
             copier.swap_out(np.array([spec.num_gpu_blocks]), np.array([0]))
     finally:
         copier.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_layer_by_layer_swap_in_through_a_deployment(method, monkeypatch):
+    """A SwapBackend on the GPU (worker here, transfer manager in its own process): swap_in(layerwise=True),
+    every layer's bytes checked as soon as its wait returns; prints when layer 0 and the whole task landed."""
+    import time
+
+    import torch
+
+    from fastcache import SwapBackend
+    from fastcache.worker import CacheWorker
+    monkeypatch.setenv("FASTCACHE_COPY_METHOD", method)
+    spec = CacheSpec(num_layers=16, num_gpu_blocks=512, num_cpu_blocks=256, block_size=16, num_kv_heads=8,
+                     head_dim=128, cache_dtype="bfloat16")
+    rng = np.random.default_rng(60)
+    with SwapBackend(spec, tp_size=1, device="cuda") as backend:
+        worker = CacheWorker(spec, rank=0, tp_size=1, device="cuda", suffix=backend.suffix, framework="torch").start()
+        try:
+            backend.wait_ready(timeout=120)
+            tier = backend.cpu_tier(0)
+            tier[...] = rng.integers(1, 256, tier.shape, dtype=np.uint8)
+            gpu, cpu = rng.permutation(512)[:256], np.arange(256)
+            tensors = [t for pair in zip(worker.key_caches, worker.value_caches) for t in pair]
+            infos = spec.tensors()
+            for t in tensors:
+                t.view(torch.uint8).fill_(0xA5)
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            handle = backend.swap_in(gpu, cpu, layerwise=True)
+            handle.wait_layer(0, timeout=60)
+            first = time.perf_counter() - began
+            for layer in range(spec.num_layers):
+                handle.wait_layer(layer, timeout=60)
+                for info, t in zip(infos, tensors):
+                    if info.layer == layer:
+                        rows = t.view(torch.uint8).reshape(info.num_blocks, info.block_bytes)[torch.as_tensor(gpu)]
+                        want = tier[cpu, info.cpu_offset:info.cpu_offset + info.block_bytes]
+                        assert np.array_equal(rows.cpu().numpy(), want), f"{info.name} wrong after its wait"
+            handle.result(timeout=60)
+            whole = time.perf_counter() - began
+            print(f"\n{method}: layer 0 after {first * 1e3:.2f} ms, the whole task after {whole * 1e3:.2f} ms")
+        finally:
+            worker.close()

@@ -39,7 +39,12 @@ class _CudaCopier(Copier):
         self.swap = swap
         self.spec = spec
         self.stride = spec.cpu_block_stride     # CPU block to CPU block; whole blocks move with their slots
+        by_layer = {}
+        for index, info in enumerate(self.infos):
+            by_layer.setdefault(info.layer, []).append(index)
+        self._by_layer = sorted(by_layer.items())      # layer-by-layer swap-ins: each layer's tensors
         set_device(self.device_id)
+        self._layer_batch = batch_attributes(required=False)
         self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
 
     def _new_lane(self) -> Lane:
@@ -51,7 +56,13 @@ class _CudaCopier(Copier):
     def swap_in(self, gpu_ids, cpu_ids):
         self._swap(gpu_ids, cpu_ids, to_host=False)
 
-    def _swap(self, gpu_ids, cpu_ids, to_host):
+    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published):
+        """Layer by layer in layer order: each layer's rows in one cudaMemcpyBatchAsync (one call per row
+        where the driver predates it), the stream synchronised, then the layer published. Whatever the
+        copy method, so that a layer is never published before its bytes are on the device."""
+        self._swap(gpu_ids, cpu_ids, to_host=False, published=published)
+
+    def _swap(self, gpu_ids, cpu_ids, to_host, published=None):
         gpu, cpu = _id_list(gpu_ids), _id_list(cpu_ids)
         if len(gpu) != len(cpu):
             raise ValueError(f"{len(gpu)} gpu ids and {len(cpu)} cpu ids: they must pair up")
@@ -65,7 +76,27 @@ class _CudaCopier(Copier):
         lane = self._lanes[to_host]
         with lane.lock:
             set_device(self.device_id)
-            self._run(lane, gpu, cpu, to_host)
+            if published is None:
+                self._run(lane, gpu, cpu, to_host)
+            else:
+                self._run_layers(lane, gpu, cpu, published)
+
+    def _run_layers(self, lane, gpu, cpu, published):
+        for layer, tensors in self._by_layer:
+            dst, src, size = (a.tolist() for a in row_copies(
+                [self.infos[i] for i in tensors], [self.pointers[i] for i in tensors], self.swap.host_ptr,
+                self.stride, gpu, cpu, to_host=False))
+            if not size:                    # a draft layer none of the task's blocks reach
+                published(layer)
+                continue
+            if self._layer_batch is not None:
+                cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, size, len(size), [self._layer_batch], [0], 1,
+                                                        lane.stream), "cudaMemcpyBatchAsync")
+            else:
+                for d, s, n in zip(dst, src, size):
+                    memcpy_async(d, s, n, False, lane.stream)
+            lane.sync_stream()
+            published(layer)
 
     def _run(self, lane: Lane, gpu: list, cpu: list, to_host: bool):
         raise NotImplementedError
