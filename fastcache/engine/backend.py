@@ -194,23 +194,31 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
 
     def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False) -> TransferHandle:
+        handle = self._new_task(kind, self.spec.task_bytes(gpu_ids) * self.tp_size, "swap")
+        if layerwise:
+            handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers)
+        return self._send_task(handle, protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise))
+
+    def _new_task(self, kind, nbytes: int, what: str) -> TransferHandle:
+        """The handle of a task about to be sent, once the deployment can take one: RefusedError while it is
+        cleared, restored, resharded or not ready, TransferError if it is not running or a rank failed."""
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         status = self.signals.status
         if status != NORMAL:
-            raise RefusedError(f"swap refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
+            raise RefusedError(f"{what} refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
                                f"(the cache is being cleared, restored or resharded)")
         self._raise_if_failed()
         if not self._all_ready():
-            raise RefusedError(f"swap refused: deployment not ready ({self._readiness()}); call wait_ready()")
-        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
-                                self.spec.task_bytes(gpu_ids) * self.tp_size)
-        handle.add_done_callback(self.counters.record)
-        if layerwise:
-            handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers)
+            raise RefusedError(f"{what} refused: deployment not ready ({self._readiness()}); call wait_ready()")
+        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size), nbytes)
+        handle.add_done_callback(self.counters.record)      # fastcache.metrics: per direction
+        return handle
+
+    def _send_task(self, handle, message) -> TransferHandle:
         with self._handles_lock:
             self._handles[handle.task_id] = handle
-        self._send_all(protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise), handle)
+        self._send_all(message, handle)
         return handle
 
     def _validate(self, kind, gpu_block_ids, cpu_block_ids):

@@ -10,9 +10,7 @@ import threading
 
 import numpy as np
 
-from ..errors import RefusedError, TransferError
 from ..ipc import protocol
-from ..ipc.signal import NORMAL, STATUS_NAMES
 from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store, parse_store_url
 from .handle import TransferHandle
 from .ids import as_cpu_ids
@@ -73,21 +71,8 @@ class StoreTasks:
             raise ValueError(f"a store task moves 1..{protocol.MAX_IDS} blocks, got {len(hashes)}")
         if len(np.unique(hashes)) != len(hashes):
             raise ValueError("duplicate hashes")
-        if not self._started or self._closed:
-            raise TransferError("the backend is not running")
-        if self.signals.status != NORMAL:
-            raise RefusedError(f"store task refused: kv_cache_status is "
-                               f"{STATUS_NAMES.get(self.signals.status, self.signals.status)}")
-        self._raise_if_failed()
-        if not self._all_ready():
-            raise RefusedError(f"store task refused: deployment not ready ({self._readiness()}); call wait_ready()")
-        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size),
-                                len(cpu_ids) * self.spec.cpu_block_bytes * self.tp_size)
-        handle.add_done_callback(self.counters.record)       # fastcache.metrics: per direction
-        with self._handles_lock:
-            self._handles[handle.task_id] = handle
-        self._send_all(protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids), handle)
-        return handle
+        handle = self._new_task(kind, len(cpu_ids) * self.spec.cpu_block_bytes * self.tp_size, "store task")
+        return self._send_task(handle, protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids))
 
     def _store_client(self):
         with self._store_lock:
