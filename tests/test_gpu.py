@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -344,8 +345,6 @@ def test_unknown_method_and_stray_ids(rigs, monkeypatch):
 def test_layer_by_layer_swap_in_through_a_deployment(method, monkeypatch):
     """A SwapBackend on the GPU (worker here, transfer manager in its own process): swap_in(layerwise=True),
     every layer's bytes checked as soon as its wait returns; prints when layer 0 and the whole task landed."""
-    import time
-
     import torch
 
     from fastcache import SwapBackend

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
 import numpy as np
 
@@ -56,7 +55,6 @@ class L3Tier:
         self._l3_victims = []               # (hash, block) evicted under the lock, written back by the caller
         self._l3_known = set()              # hashes the store has under _l3_known_as, as far as we know
         self._l3_known_as = self._l3_names()
-        self._l3_down_until = 0.0
         self._l3_prober = None              # probes a store set aside; None while the store is in use
         self._l3_closing = threading.Event()
         self._l3_writer = None              # the write-through thread, started on first use
@@ -211,17 +209,16 @@ class L3Tier:
             self._counts["l3_errors"] += 1
             first = self._l3_prober is None and not self._closed
             if first:
-                self._l3_down_until = time.monotonic() + L3_BACKOFF
-                self._l3_prober = threading.Thread(target=self._probe, name="fastcache-l3-probe", daemon=True)
+                self._l3_prober = threading.Thread(target=self._probe, args=(L3_BACKOFF,), name="fastcache-l3-probe",
+                                                   daemon=True)
                 self._l3_prober.start()
         if first:
             log.warning("L3 store set aside for %.0f s, then probed (the CPU tier serves meanwhile): %s",
                         L3_BACKOFF, why)
 
-    def _probe(self):
+    def _probe(self, wait: float):
         """After the pause, ask the store (the engine's client: one existence query) until it answers."""
-        wait = self._l3_down_until - time.monotonic()
-        while not self._l3_closing.wait(max(0.0, wait)):
+        while not self._l3_closing.wait(wait):
             try:
                 self.backend.store_contains(self._namespace, [0])
             except (TransferError, ValueError) as exc:

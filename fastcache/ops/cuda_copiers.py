@@ -44,7 +44,7 @@ class _CudaCopier(Copier):
             by_layer.setdefault(info.layer, []).append(index)
         self._by_layer = sorted(by_layer.items())      # layer-by-layer swap-ins: each layer's tensors
         set_device(self.device_id)
-        self._layer_batch = batch_attributes(required=False)
+        self._batch = batch_attributes(required=False)     # None where the driver predates it
         self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
 
     def _new_lane(self) -> Lane:
@@ -86,17 +86,19 @@ class _CudaCopier(Copier):
             dst, src, size = (a.tolist() for a in row_copies(
                 [self.infos[i] for i in tensors], [self.pointers[i] for i in tensors], self.swap.host_ptr,
                 self.stride, gpu, cpu, to_host=False))
-            if not size:                    # a draft layer none of the task's blocks reach
-                published(layer)
-                continue
-            if self._layer_batch is not None:
-                cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, size, len(size), [self._layer_batch], [0], 1,
-                                                        lane.stream), "cudaMemcpyBatchAsync")
-            else:
-                for d, s, n in zip(dst, src, size):
-                    memcpy_async(d, s, n, False, lane.stream)
-            lane.sync_stream()
+            if size:                        # else a draft layer none of the task's blocks reach
+                self._copies(dst, src, size, False, lane.stream)
+                lane.sync_stream()
             published(layer)
+
+    def _copies(self, dst: list, src: list, sizes: list, to_host: bool, stream):
+        """Host-device copies in one cudaMemcpyBatchAsync where the driver has it, else one call each."""
+        if self._batch is not None and len(sizes) > 1:
+            cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, sizes, len(sizes), [self._batch], [0], 1, stream),
+                       "cudaMemcpyBatchAsync")
+            return
+        for d, s, n in zip(dst, src, sizes):
+            memcpy_async(d, s, n, to_host, stream)
 
     def _run(self, lane: Lane, gpu: list, cpu: list, to_host: bool):
         raise NotImplementedError
@@ -151,7 +153,6 @@ class StagedCopier(_CudaCopier):
         self.chunk_blocks = max(1, staging_bytes // spec.cpu_block_stride)
         super().__init__(cache, swap, spec)
         self._kernel = RowKernel(self.infos, self.pointers, self.device_id)
-        self._batch = batch_attributes(required=False)
         self._grid = blocks or 4 * device_attribute(self.device_id, "cudaDevAttrMultiProcessorCount")
         self._small_ids = min(self.chunk_blocks, SMALL_TASK_IDS)
 
@@ -211,13 +212,7 @@ class StagedCopier(_CudaCopier):
         host = [self.swap.host_ptr + cpu_id * self.stride for _, cpu_id, _ in runs]
         dev = [stage + first * self.stride for first, _, _ in runs]
         dst, src = (host, dev) if to_host else (dev, host)
-        if self._batch is not None and len(runs) > 1:
-            sizes = [nbytes for _, _, nbytes in runs]
-            cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, sizes, len(sizes), [self._batch], [0], 1, stream),
-                       "cudaMemcpyBatchAsync")
-            return
-        for d, s, (_, _, nbytes) in zip(dst, src, runs):
-            memcpy_async(d, s, nbytes, to_host, stream)
+        self._copies(dst, src, [nbytes for _, _, nbytes in runs], to_host, stream)
 
     def close(self):
         super().close()
@@ -277,13 +272,11 @@ class BatchCopier(MemcpyCopier):
     cuda-bindings returns it after the status (12.x) or not at all (13.x), the arguments are the same."""
 
     def __init__(self, cache, swap, spec):
-        self._attrs = batch_attributes(required=True)
+        batch_attributes(required=True)     # refuse before anything is allocated
         super().__init__(cache, swap, spec)
 
     def _run(self, lane, gpu_ids, cpu_ids, to_host):
-        dst, src, size = (a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))
-        cuda_check(runtime.cudaMemcpyBatchAsync(dst, src, size, len(size), [self._attrs], [0], 1, lane.stream),
-                   "cudaMemcpyBatchAsync")
+        self._copies(*(a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host)), to_host, lane.stream)
         lane.sync()
 
 
