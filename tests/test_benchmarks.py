@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("queue_floor.py", ["--samples", "100"], "round trip p50"),
     ("index_floor.py", ["--samples", "10"], "TieredCache.store"),
     ("layer_bench.py", ["--layers", "4", "--blocks", "16", "--runs", "2"], "layer 0 in place"),
+    ("offload_bench.py", ["--layers", "4", "--hidden", "64", "--batch", "4", "--runs", "1"], "50% offloaded"),
 ])
 def test_benchmark_runs_and_reports(script, args, expect):
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -28,6 +28,7 @@ from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
 from ..ops import resolve_device
+from ..weight_spec import DEFAULT_RING_SLOTS, WeightSpec
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
@@ -36,15 +37,22 @@ from .ids import as_ids, wire_dtype
 from .l3 import StoreTasks
 from .ranks import RankSupervision
 from .reshard_phase import ReshardPhase
+from .weights_phase import WeightPhases
 
 log = logging.getLogger("fastcache.engine")
 
 
-class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
-    """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`"""
+class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, WeightPhases):
+    """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
+
+    weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
+    (of the layers) or weight_budget (device bytes for weights) places them, the rest streaming through a
+    ring of ring_slots device slots."""
 
     def __init__(self, spec: CacheSpec, tp_size: int = 1, device: str = "auto", suffix: str | None = None,
-                 settings: Settings | None = None, device_ids=None, store: str | None = None):
+                 settings: Settings | None = None, device_ids=None, store: str | None = None,
+                 weights: WeightSpec | None = None, offload_fraction: float | None = None,
+                 weight_budget: int | None = None, ring_slots: int = DEFAULT_RING_SLOTS):
         # Checked first, so that a bad FASTCACHE_* value is refused before anything is created. The
         # environment is checked even when `settings` is given: the transfer managers spawned read it.
         env_settings = Settings.from_env()
@@ -60,6 +68,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         if len(self.device_ids) != tp_size:
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
+        self._init_weights(weights, offload_fraction, weight_budget, ring_slots)     # docs/design.md §11
         self._init_store_tasks(store)              # L3 (engine/l3.py)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
@@ -103,6 +112,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
             self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
             self._create_swap_spaces()
+            self._create_weight_regions()
             self.socket_dir = make_socket_dir(self.suffix)
             self._context = zmq.Context()
             self._router = bind_replies(self._context, self.socket_dir)
@@ -160,13 +170,15 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
 
     def _all_ready(self) -> bool:
         return (all(self._attached[:self.tp_size]) and bool(self.signals.cache_ready[:self.tp_size].all())
-                and bool(self.signals.swap_space_ready[:self.tp_size].all()))
+                and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights_ready())
 
     def _readiness(self) -> str:
         return "; ".join(
             f"rank {r}: cache_ready={int(self.signals.cache_ready[r])} "
             f"swap_space_ready={int(self.signals.swap_space_ready[r])} "
             f"transfer manager {'attached' if self._attached[r] else 'registered' if self._registered[r] else 'not connected'}"
+            + (f" weights exported={int(self.signals.weights_ready[r, 0])} attached={int(self.signals.weights_ready[r, 1])}"
+               if self.weight_layout is not None else "")
             for r in range(self.tp_size))
 
     # -- swaps -----------------------------------------------------------------------------------
@@ -261,15 +273,21 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
             self.barrier.reset()
             self.signals.status = CLEARING              # refuses new swaps from here on
             self._drain(deadline)                       # a clear never pulls memory from under a copy
-            release = self.settings.clear_swap_space
-            self._run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
-            self._wait_signals(lambda: not self.signals.cache_ready.any() and
-                               (not release or not self.signals.swap_space_ready.any()), deadline, "release")
-            self._attached = [False] * self.tp_size
-            if release:
-                self._release_swap_spaces()
-            self.allocator.reset()
-            self.signals.status = CLEARED
+            self._clear_phase(deadline)
+
+    def _clear_phase(self, deadline):
+        """The clear itself, once nothing is in flight (a sleep frees the weights too: sleep_level is set)."""
+        release = self.settings.clear_swap_space
+        self._run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
+        weights = bool(self.signals.sleep_level[0]) and self.weight_layout is not None
+        self._wait_signals(lambda: not self.signals.cache_ready.any() and
+                           (not release or not self.signals.swap_space_ready.any()) and
+                           (not weights or not self.signals.weights_ready.any()), deadline, "release")
+        self._attached = [False] * self.tp_size
+        if release:
+            self._release_swap_spaces()
+        self.allocator.reset()
+        self.signals.status = CLEARED
 
     def restore_caches(self, timeout: float = 60.0):
         """Re-create every rank's cache; returns once all ranks are ready again (status NORMAL)."""
@@ -279,14 +297,19 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
             if self.signals.status not in (CLEARED, UPDATING):      # UPDATING: a failed restore, retried
                 raise TransferError(f"restore needs a cleared cache; kv_cache_status is "
                                     f"{STATUS_NAMES.get(self.signals.status)}")
+            if self.signals.sleep_level[0]:
+                raise TransferError("restore refused: the deployment sleeps; call wake()")
             self._raise_if_failed()
-            deadline = time.monotonic() + timeout
-            self.barrier.reset()
-            self._create_swap_spaces()
-            self.signals.status = UPDATING
-            self._run_phase("restore", protocol.encode("restore"), deadline)
-            self._wait_signals(self._all_ready, deadline, "restore")
+            self._restore_phase(time.monotonic() + timeout, "restore")
             self.signals.status = NORMAL
+
+    def _restore_phase(self, deadline, what):
+        """Every rank re-creates its cache (and weights a sleep freed) and is attached again (status UPDATING)."""
+        self.barrier.reset()
+        self._create_swap_spaces()
+        self.signals.status = UPDATING
+        self._run_phase("restore", protocol.encode("restore"), deadline)
+        self._wait_signals(self._all_ready, deadline, what)
 
     def _drain(self, deadline):
         with self._handles_lock:
@@ -352,6 +375,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase):
         if hasattr(self, "_context"):
             self._context.term()
         self._release_swap_spaces()
+        self._release_weight_regions()
         if self._pending_reshard is not None:
             self._drop_step_memory(self._pending_reshard)
         if self.barrier is not None:

@@ -9,6 +9,7 @@ from ..errors import TransferError
 from ..ipc.layers import wait_layer
 
 log = logging.getLogger("fastcache.engine")
+REPORT_WAIT_S = 2.0     # for the failure report of a task a rank has marked failed in its layer slot
 
 
 class Completion:
@@ -114,9 +115,10 @@ class TransferHandle(Completion):
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
         return f"task {self.task_id} ({self.kind}) failed on {detail}"
 
-    def publishes_layers(self, signals, ranks, layers: int):
-        """Set by the backend on a layer-by-layer swap-in before it is sent."""
-        self._layers = (signals, list(ranks), layers)
+    def publishes_layers(self, signals, ranks, layers: int, slots=None):
+        """Set by the backend on a layer-by-layer swap-in (or a weight stream, published in `slots`) before it
+        is sent."""
+        self._layers = (signals, list(ranks), layers, slots)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> "TransferHandle":
         """Of a swap_in(..., layerwise=True): wait until `layer`'s rows are in place on every rank (layers
@@ -124,12 +126,18 @@ class TransferHandle(Completion):
         fails (every waiter wakes with it), TimeoutError after `timeout` seconds."""
         if self._layers is None:
             raise ValueError("wait_layer needs a layer-by-layer swap-in: swap_in(..., layerwise=True)")
-        signals, ranks, layers = self._layers
+        signals, ranks, layers, slots = self._layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
             raise ValueError(f"layer must be an int in [0, {layers}), got {layer!r}")
         if self.done():
             return self.result()
-        wait_layer(signals, ranks, self.task_id, layer, timeout, failed=lambda: self.error if self.done() else None)
+        try:
+            wait_layer(signals, ranks, self.task_id, layer, timeout,
+                       failed=lambda: self.error if self.done() else None, slots=slots)
+        except TransferError:
+            if self._event.wait(REPORT_WAIT_S):     # a rank marked the task failed: raise its report, which says why
+                self.result()
+            raise
         return self
 
     @property

@@ -41,9 +41,12 @@ class RankSupervision:
         cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
                "--device_id", str(device_id), "--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir,
                "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()), "--device", self.device,
-               "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else [])
+               "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else []) + \
+            (["--weights", self.weight_layout.to_json()] if self.weight_layout is not None else [])
         self._registered[rank] = self._attached[rank] = False
         self.signals.transfer_heartbeat[rank] = 0
+        if rank < len(self.signals.weights_ready):
+            self.signals.weights_ready[rank, 1] = 0     # the new process has not attached the weights yet
         proc = self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE)
         try:
             proc.stdin.write(self._token.hex().encode() + b"\n")     # the token: not in argv or environ
@@ -54,6 +57,11 @@ class RankSupervision:
     @property
     def transfer_pids(self) -> list[int]:
         return [p.pid if p is not None else 0 for p in self._procs[:self.tp_size]]
+
+    @property
+    def failed_ranks(self) -> dict[int, str]:
+        """Ranks out of service, with why (restart_rank puts one back)."""
+        return dict(self._failed)
 
     def restart_rank(self, rank: int, timeout: float = 30.0):
         """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a

@@ -127,6 +127,9 @@ class ReshardPhase:
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         tp = check_tp(self.spec, self.tp_size, tp_size)
+        if self.weight_layout is not None and tp != self.tp_size:
+            raise ValueError("a deployment with weights (docs/design.md §11) is not resharded: its weight group "
+                             "has no reshard geometry")
         if self.signals.status != NORMAL:
             raise TransferError(f"reshard refused: kv_cache_status is "
                                 f"{STATUS_NAMES.get(self.signals.status, self.signals.status)} (it needs NORMAL)")

@@ -50,3 +50,9 @@ def reshard_staging_name(suffix: str, rank: int, kind: str) -> str:
 def reshard_exports_name(suffix: str, rank: int) -> str:
     """How a worker exports its GPU staging buffer (JSON) for the reshard step."""
     return segment_name(suffix, f"reshard_exports_rank{rank}")
+
+
+def weights_name(suffix: str, rank: int, what: str) -> str:
+    """A rank's weight group (docs/design.md §11): "cpu" (the engine's CPU region), "exports" (its worker's
+    manifest) or "gen<N>" (the sim device's weight memory)."""
+    return segment_name(suffix, f"weights_{what}_rank{rank}")

@@ -17,6 +17,10 @@ TASK_KINDS = (SWAP_TO_CPU, SWAP_TO_GPU)
 CPU_TO_STORE, STORE_TO_CPU = "CPU_TO_STORE", "STORE_TO_CPU"
 STORE_KINDS = (CPU_TO_STORE, STORE_TO_CPU)
 ALL_KINDS = TASK_KINDS + STORE_KINDS
+# tensor groups a swap task moves (docs/design.md §11): the KV cache, or the model's weights (one block per
+# layer); a weights task with ring=k streams into a ring of k device slots, waiting for the forward (ipc/ring.py)
+KV, WEIGHTS = "kv", "weights"
+GROUPS = (KV, WEIGHTS)
 ID_DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8")}
 MAX_HEADER_BYTES = 4096
 MAX_IDS = 1 << 24
@@ -25,7 +29,7 @@ MAX_ERROR_CHARS = 2000
 # message type -> required fields and their types; no other field is accepted
 SCHEMAS = {
     "register": {"rank": int, "pid": int},
-    "task": {"task_id": int, "kind": str, "dtype": str, "count": int, "layerwise": bool},
+    "task": {"task_id": int, "kind": str, "dtype": str, "count": int, "layerwise": bool, "group": str, "ring": int},
     "store_task": {"task_id": int, "kind": str, "namespace": str, "count": int},
     "done": {"task_id": int, "rank": int, "nbytes": int, "skipped": int, "seconds": float},   # skipped: puts a
     #   full store did not take
@@ -61,10 +65,11 @@ def encode(type_: str, **fields) -> list[bytes]:
 
 
 def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray,
-                layerwise: bool = False) -> list[bytes]:
+                layerwise: bool = False, group: str = KV, ring: int = 0) -> list[bytes]:
     dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
     wire = ID_DTYPES[dtype]
-    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise)
+    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
+                    group=group, ring=ring)
     return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
 
 
@@ -115,6 +120,10 @@ def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
 def _task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
     if header["kind"] not in TASK_KINDS:
         raise ProtocolError(f"task: unknown kind {header['kind']!r}")
+    if header["group"] not in GROUPS:
+        raise ProtocolError(f"task: unknown group {header['group']!r}")
+    if header["ring"] and (header["group"] != WEIGHTS or header["kind"] != SWAP_TO_GPU or not header["layerwise"]):
+        raise ProtocolError("task: only a layer-by-layer weights swap-in streams through a ring")
     wire = ID_DTYPES.get(header["dtype"])
     if wire is None:
         raise ProtocolError(f"task: unknown id dtype {header['dtype']!r}")

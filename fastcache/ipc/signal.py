@@ -61,6 +61,13 @@ SIGNALS = {
     # journal; the attempt is written last, so a reader that sees it new sees the rest new too
     "reshard_state": (lambda tp: (5,), np.int64),
     "reshard_progress": (lambda tp: (tp, 2), np.int64),
+    # weights (docs/design.md §11): per rank [worker exported them, transfer manager attached them]; the level
+    # of a sleep under way or done (0: awake); per rank and slot the layers a weight stream has in place (as
+    # layer_ready); per rank [stream task id, streamed layers its forward is done with] (ipc/ring.py)
+    "weights_ready": (lambda tp: (tp, 2), np.int32),
+    "sleep_level": (lambda tp: (1,), np.int32),
+    "weight_layers": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
+    "weight_ring": (lambda tp: (tp, 2), np.int64),
 }
 
 

@@ -95,6 +95,17 @@ class DeviceOps(ABC):
                  generation: int) -> LocalCache:
         """Allocate and export every tensor of one rank."""
 
+    def allocate_group(self, spec, rank: int, device_id: int, framework: str, suffix: str, generation: int,
+                       group: str) -> LocalCache:
+        """Allocate and export another tensor group of one rank beside its cache (the model's weights,
+        docs/design.md §11); `spec` has CacheSpec's geometry interface."""
+        return self.allocate(spec, rank, device_id, framework, suffix, generation)
+
+    def adopt(self, spec: CacheSpec, rank: int, device_id: int, tensors: dict) -> LocalCache:
+        """Export tensors an engine allocated itself ({name: tensor} for every tensor of spec.tensors()),
+        without copying them: the engine keeps computing on the very bytes the transfer manager moves."""
+        raise ValueError(f"device {self.name!r} cannot adopt an engine's tensors")
+
     # transfer-manager side
     @abstractmethod
     def attach(self, manifest: list, infos: list[TensorInfo], suffix: str) -> AttachedCache:
@@ -126,6 +137,22 @@ class DeviceOps(ABC):
     def reshard_memory(self, suffix: str, plan, device_id: int):
         """A transfer manager's view of every memory a reshard plan touches, with `execute(copy)`,
         `flush()` and `close()`."""
+
+
+def check_adopted(infos: list[TensorInfo], tensors: dict):
+    """Adopted tensors must be exactly the spec's, each a stack of contiguous block rows of its geometry."""
+    names = [info.name for info in infos]
+    if set(tensors) != set(names):
+        missing, extra = sorted(set(names) - set(tensors)), sorted(set(tensors) - set(names))
+        raise ValueError(f"adopted tensors do not match the spec: missing {missing}, unexpected {extra}")
+    for info in infos:
+        t = tensors[info.name]
+        nbytes = t.numel() * t.element_size()
+        rows_contiguous = t.is_contiguous() if hasattr(t, "is_contiguous") else True
+        if t.shape[0] != info.num_blocks or nbytes != info.nbytes or not rows_contiguous:
+            raise ValueError(f"tensor {info.name}: shape {tuple(t.shape)}, {nbytes} bytes"
+                             f"{'' if rows_contiguous else ', not contiguous'}; the spec wants "
+                             f"{info.num_blocks} contiguous rows of {info.block_bytes} bytes")
 
 
 def usable_ids(ids: np.ndarray, num_blocks: int, full: int):

@@ -9,7 +9,7 @@ import numpy as np
 from cuda.bindings import runtime
 
 from ..config import CacheSpec, Settings
-from .base import AttachedCache, DeviceOps, LocalCache
+from .base import AttachedCache, DeviceOps, LocalCache, check_adopted
 from .cuda_copiers import dma_runs, make_copier
 from .cuda_ipc import OpenAllocations, check_entry, export_tensors
 from .cuda_kernels import cuda_check, set_device
@@ -103,6 +103,21 @@ class CudaLocalCache(LocalCache):
         free_cached(self.framework)
 
 
+class CudaAdoptedCache(LocalCache):
+    """An engine's own device tensors (vLLM's KV cache), exported by CUDA IPC where they lie (allocation base
+    plus offset, as for fastcache's own tensors); release leaves the memory to its owner."""
+
+    def __init__(self, spec: CacheSpec, rank: int, device_id: int, tensors: dict):
+        self.device_id, self.infos = device_id, spec.tensors(rank, device_id)
+        check_adopted(self.infos, tensors)
+        self.tensors = dict(tensors)
+        self.pointers = [device_pointer(self.tensors[info.name]) for info in self.infos]
+        self.manifest = export_tensors(self.infos, self.pointers, device_id)
+
+    def release(self):
+        self.tensors, self.pointers = {}, []
+
+
 class CudaOps(DeviceOps):
     name = "cuda"
 
@@ -111,6 +126,9 @@ class CudaOps(DeviceOps):
         if framework == "numpy":
             raise ValueError("framework 'numpy' holds host memory: it needs device='sim'")
         return CudaLocalCache(spec, rank, device_id, framework)
+
+    def adopt(self, spec, rank, device_id, tensors):
+        return CudaAdoptedCache(spec, rank, device_id, tensors)
 
     def attach(self, manifest, infos, suffix):
         return CudaAttachedCache(manifest, infos)

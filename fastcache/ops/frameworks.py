@@ -34,6 +34,20 @@ def wrap_host_array(array: np.ndarray, dtype: str, framework: str):
     raise ValueError("framework 'cupy' needs device='cuda'")
 
 
+def share_host_memory(tensor) -> tuple[int, int, int]:
+    """Move a torch CPU tensor's storage into shared memory in place and say where it lies: (descriptor of
+    the shared file, its size, the tensor's byte offset in it). The storage object stays the same, so every
+    view of it (an engine's own KV cache, adopted) follows; the file is unlinked at once and lives as long as
+    the storage. torch's own multiprocessing sharing does this (`_share_fd_cpu_`)."""
+    import torch
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
+        raise ValueError(f"only torch CPU tensors can be adopted on the sim device, got {type(tensor).__name__}"
+                         f"{' on ' + str(tensor.device) if hasattr(tensor, 'device') else ''}")
+    storage = tensor.untyped_storage()
+    fd, size = storage._share_fd_cpu_()
+    return fd, size, tensor.data_ptr() - storage.data_ptr()
+
+
 # -- device tensors (the cuda device) --------------------------------------------------------------
 def empty_device(framework: str, shape: tuple, dtype: str, device_id: int):
     """An uninitialised device tensor of the framework."""

@@ -4,14 +4,16 @@ It is the whole multi-process system minus CUDA, so it runs and is tested on any
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..config import CacheSpec, TensorInfo
-from ..ipc.naming import cache_arena_name
-from ..ipc.shm import SharedSegment
-from .base import AttachedCache, Copier, DeviceOps, LocalCache, SwapSpace, usable_ids
-from .frameworks import NUMPY_STORAGE, check_framework, wrap_host_array
+from ..ipc.naming import cache_arena_name, segment_name
+from ..ipc.shm import ProcessMemory, SharedSegment
+from .base import AttachedCache, Copier, DeviceOps, LocalCache, SwapSpace, check_adopted, usable_ids
+from .frameworks import NUMPY_STORAGE, check_framework, share_host_memory, wrap_host_array
 
 ALIGN = 256
 
@@ -26,11 +28,12 @@ def _layout(infos: list[TensorInfo]):
 
 
 class SimLocalCache(LocalCache):
-    def __init__(self, spec, rank, device_id, framework, suffix, generation):
+    def __init__(self, spec, rank, device_id, framework, suffix, generation, name=None):
         check_framework(framework)
         infos = spec.tensors(rank, device_id)
         offsets, total = _layout(infos)
-        self._arena = SharedSegment.create(cache_arena_name(suffix, rank, generation), total, suffix)
+        name = name or cache_arena_name(suffix, rank, generation)      # name: another group's memory
+        self._arena = SharedSegment.create(name, total, suffix)
         self.tensors, self.manifest = {}, []
         for info, offset in zip(infos, offsets):
             array = self._arena.array(NUMPY_STORAGE[info.dtype], info.shape, offset)
@@ -41,6 +44,32 @@ class SimLocalCache(LocalCache):
     def release(self):
         self.tensors = {}
         self._arena.close()
+
+
+class SimAdoptedCache(LocalCache):
+    """An engine's own host tensors (vLLM's CPU KV cache), exported where they lie: each storage moves into
+    shared memory in place once (every view the engine holds follows it), and the transfer manager maps it
+    by this process's pid and descriptor. No copy of the cache exists; release leaves the memory to its
+    owner."""
+
+    def __init__(self, spec, rank, device_id, tensors: dict):
+        infos = spec.tensors(rank, device_id)
+        check_adopted(infos, tensors)
+        self.tensors, self.manifest = dict(tensors), []
+        for info in infos:
+            fd, size, offset = share_host_memory(tensors[info.name])
+            self.manifest.append({"name": info.name, "pid": os.getpid(), "fd": fd, "size": size,
+                                  "offset": offset, "nbytes": info.nbytes})
+
+    def release(self):
+        self.tensors = {}
+
+
+def _open_place(entry, suffix):
+    """The mapping an export manifest entry points into: a named segment, or an adopted storage's descriptor."""
+    if "fd" in entry:
+        return f"pid{entry['pid']}.fd{entry['fd']}", lambda: ProcessMemory(entry["pid"], entry["fd"], entry["size"])
+    return entry["segment"], lambda: SharedSegment.attach(entry["segment"], suffix)
 
 
 class SimAttachedCache(AttachedCache):
@@ -54,13 +83,14 @@ class SimAttachedCache(AttachedCache):
             for entry, info in zip(manifest, infos):
                 if entry["name"] != info.name or entry["nbytes"] != info.nbytes:
                     raise ValueError(f"manifest entry {entry['name']} does not match the spec's {info.name}")
-                seg = self._segments.get(entry["segment"])
+                place, open_place = _open_place(entry, suffix)
+                seg = self._segments.get(place)
                 if seg is None:
-                    seg = self._segments[entry["segment"]] = SharedSegment.attach(entry["segment"], suffix)
+                    seg = self._segments[place] = open_place()
                 if entry["offset"] < 0 or entry["offset"] + info.nbytes > seg.size:
                     raise ValueError(f"manifest entry {info.name} lies outside its segment")
                 self.rows.append(seg.array(np.uint8, (info.num_blocks, info.block_bytes), entry["offset"]))
-                self.places.append((entry["segment"], entry["offset"]))
+                self.places.append((place, entry["offset"]))
         except BaseException:
             self.close()
             raise
@@ -222,6 +252,13 @@ class SimOps(DeviceOps):
 
     def allocate(self, spec, rank, device_id, framework, suffix, generation):
         return SimLocalCache(spec, rank, device_id, framework, suffix, generation)
+
+    def adopt(self, spec, rank, device_id, tensors):
+        return SimAdoptedCache(spec, rank, device_id, tensors)
+
+    def allocate_group(self, spec, rank, device_id, framework, suffix, generation, group):
+        return SimLocalCache(spec, rank, device_id, framework, suffix, generation,
+                             name=segment_name(suffix, f"{group}_gen{generation}_rank{rank}"))
 
     def attach(self, manifest, infos, suffix):
         return SimAttachedCache(manifest, infos, suffix)

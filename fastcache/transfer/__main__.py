@@ -10,6 +10,7 @@ import sys
 from ..config import CacheSpec, Settings
 from ..ipc.queue import read_token
 from ..store import parse_store_url
+from ..weight_spec import WeightSpec
 from .manager import TransferManager
 
 
@@ -43,6 +44,7 @@ def build_parser():
     p.add_argument("--num_extra_layers", type=int, default=0)
     p.add_argument("--num_extra_layer_gpu_blocks", type=int, default=None)
     p.add_argument("--store", default=None, help="L3 store URL: mooncake://HOST:PORT or file:///DIR")
+    p.add_argument("--weights", default=None, help="the weight group's WeightSpec as JSON (placed; docs/design.md §11)")
     return p
 
 
@@ -68,13 +70,14 @@ def main(argv=None) -> int:
         settings = Settings.from_env()
         if args.store:
             parse_store_url(args.store)
+        weights = WeightSpec.from_json(args.weights) if args.weights else None
         token = read_token(sys.stdin.buffer)
     except ValueError as exc:
         print(f"fastcache.transfer: {exc}", file=sys.stderr)
         return 2
     manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.incarnation,
                               args.engine_pid, device=args.device, device_id=args.device_id, settings=settings, store=args.store,
-                              token=token)
+                              token=token, weights=weights)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return manager.run()

@@ -28,9 +28,11 @@ from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, connect_client, signed, verifie
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import RESHARDING, DeploymentSignals
 from ..ops import get_ops
+from ..weight_spec import WeightSpec
 from .l3 import StoreIO, store_task
 from .reshard import ReshardRunner
 from .scheduler import Scheduler, Task
+from .weights import WeightGroup
 
 log = logging.getLogger("fastcache.transfer")
 
@@ -38,7 +40,7 @@ log = logging.getLogger("fastcache.transfer")
 class TransferManager:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str, incarnation: int,
                  engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None,
-                 store: str | None = None, token: bytes = b""):
+                 store: str | None = None, token: bytes = b"", weights: WeightSpec | None = None):
         self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
         self.engine_pid, self.device_id = engine_pid, device_id
         self.settings = settings or Settings.from_env()
@@ -62,11 +64,12 @@ class TransferManager:
         self.reshard = ReshardRunner(self)
         self.release_swap = False
         self.scheduler = Scheduler()
-        self.queues = {kind: queue.Queue() for kind in protocol.ALL_KINDS}
-        self.queued = {kind: 0 for kind in protocol.ALL_KINDS}      # handed to the executor, not reported
+        self.weights = WeightGroup(weights, self) if weights is not None else None     # docs/design.md §11
+        self.queues = {lane: queue.Queue() for lane in LANES}
+        self.queued = {lane: 0 for lane in LANES}      # handed to the executor, not reported
         self.executing = {}                                           # task id -> task, for the reports
-        self.threads = [threading.Thread(target=self._execute, args=(kind,), daemon=True, name=kind)
-                        for kind in protocol.ALL_KINDS]
+        self.threads = [threading.Thread(target=self._execute, args=(lane,), daemon=True, name=lane)
+                        for lane in LANES]
         self.heartbeat = Heartbeat(self.signals.transfer_heartbeat, rank, self.settings.heartbeat_interval,
                                    check=self._check_peers)
         self.fail_every = self.settings.injected_fault("fail_every", rank)      # fault-injection tests
@@ -120,7 +123,8 @@ class TransferManager:
         if self.phase == "clearing" and not self.scheduler:
             self.detach()
             self.pass_phase_barrier("clear", next_phase="cleared")
-        elif self.phase == "restoring" and self.cache is not None and self.swap is not None:
+        elif self.phase == "restoring" and self.cache is not None and self.swap is not None and \
+                (self.weights is None or self.weights.attached):
             self.pass_phase_barrier(self.restore_phase, next_phase="running")
 
     def pass_phase_barrier(self, phase, next_phase):
@@ -154,6 +158,8 @@ class TransferManager:
                 self.phase = "running"
 
     def _attach(self):
+        if self.weights is not None:
+            self.weights.attach()
         if self.swap is None:
             try:
                 seg = SharedSegment.attach(swap_space_name(self.suffix, self.rank), self.suffix)
@@ -188,6 +194,8 @@ class TransferManager:
 
     def detach(self):
         self._detach_cache()
+        if self.weights is not None and self.signals.sleep_level[0]:     # a sleep: the worker frees its weights
+            self.weights.detach()
         if self.release_swap and self.swap is not None:
             if self.l3 is not None:
                 self.l3.detach()
@@ -252,13 +260,19 @@ class TransferManager:
     def _on_task(self, header, ids):
         task_id = header["task_id"]
         try:
-            if self.phase != "running" or self.copier is None:
+            if header["group"] == protocol.WEIGHTS:     # a sleep's or a wake's copy runs outside "running"
+                if self.weights is None:
+                    raise ValueError(f"rank {self.rank} serves no weights (SwapBackend(weights=...) was not given)")
+                self.weights.check(header["kind"], ids[0], ids[1], header["ring"])
+            elif self.phase != "running" or self.copier is None:
                 raise ValueError(f"rank {self.rank} has no cache attached (phase {self.phase})")
-            protocol.check_ids(ids[0], ids[1], header["kind"], self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
+            else:
+                protocol.check_ids(ids[0], ids[1], header["kind"], self.spec.num_gpu_blocks, self.spec.num_cpu_blocks)
         except ValueError as exc:
             self.send("failed", task_id=task_id, rank=self.rank, error=str(exc))
             return
-        self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1], header["layerwise"])))
+        self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1], header["layerwise"],
+                                               header["group"], header["ring"])))
 
     def _on_store_task(self, header, ids):
         task_id = header["task_id"]
@@ -276,12 +290,13 @@ class TransferManager:
     def _dispatch(self, tasks):
         """Small tasks on an idle direction run right here: a thread hand-off costs more than their copy."""
         for task in tasks:
-            if self.queued[task.kind] == 0 and task.kind in protocol.TASK_KINDS and \
+            lane = lane_of(task)
+            if self.queued[lane] == 0 and lane in protocol.TASK_KINDS and \
                     self.spec.task_bytes(task.gpu_ids) <= self.settings.inline_bytes:
                 self._finished(task, self._run(task))
             else:
-                self.queued[task.kind] += 1
-                self.queues[task.kind].put(task)
+                self.queued[lane] += 1
+                self.queues[lane].put(task)
 
     def _finished(self, task, reply):
         self.sock.send_multipart(signed(self.token, TO_ENGINE, reply))
@@ -294,18 +309,18 @@ class TransferManager:
             except zmq.Again:
                 return
             task = self.executing.pop(int(frames[0]))
-            self.queued[task.kind] -= 1
+            self.queued[lane_of(task)] -= 1
             self._finished(task, frames[1:])
 
     def send(self, type_, **fields):
         self.sock.send_multipart(signed(self.token, TO_ENGINE, protocol.encode(type_, **fields)))
 
     # -- executors (one thread per direction) ----------------------------------------------------
-    def _execute(self, kind):
+    def _execute(self, lane):
         push = self.context.socket(zmq.PUSH)
         push.connect(f"inproc://done{self.rank}")
         while True:
-            task = self.queues[kind].get()
+            task = self.queues[lane].get()
             if task is None:
                 push.close(0)
                 return
@@ -317,7 +332,9 @@ class TransferManager:
         start = time.perf_counter()
         try:
             self._maybe_fail(task)
-            if task.kind == protocol.SWAP_TO_CPU:
+            if task.group == protocol.WEIGHTS:
+                self.weights.run(task)
+            elif task.kind == protocol.SWAP_TO_CPU:
                 self.copier.swap_out(task.gpu_ids, task.cpu_ids)
             elif task.kind == protocol.SWAP_TO_GPU and task.layerwise:
                 layers = LayerPublisher(self.signals.layer_ready, self.rank, task.task_id)
@@ -332,7 +349,8 @@ class TransferManager:
             return protocol.encode("failed", task_id=task.task_id, rank=self.rank,
                                    error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
         if task.kind in protocol.TASK_KINDS:
-            nbytes, skipped = self.spec.task_bytes(task.gpu_ids), 0
+            group = self.weights.layout if task.group == protocol.WEIGHTS else self.spec
+            nbytes, skipped = group.task_bytes(task.gpu_ids), 0
         return protocol.encode("done", task_id=task.task_id, rank=self.rank, nbytes=nbytes, skipped=skipped,
                                seconds=time.perf_counter() - start)
 
@@ -343,12 +361,14 @@ class TransferManager:
 
     def close(self):
         self.heartbeat.stop()
-        for kind, thread in zip(protocol.ALL_KINDS, self.threads):
-            self.queues[kind].put(None)
+        for lane, thread in zip(LANES, self.threads):
+            self.queues[lane].put(None)
             if thread.ident is not None:        # started (run() was called)
                 thread.join(timeout=5)
         self.release_swap = True
         self.detach()
+        if self.weights is not None:
+            self.weights.detach(region=True)
         if self.l3 is not None:
             self.l3.close()
         self.sock.close(0)
@@ -357,6 +377,16 @@ class TransferManager:
         self.context.term()
         self.barrier.close()
         self.signals.close()
+
+
+# one executor thread per direction, and one for the weight group: a stream waits for the forward, and must
+# not hold up the cache's swaps meanwhile
+WEIGHTS_LANE = "WEIGHTS"
+LANES = protocol.ALL_KINDS + (WEIGHTS_LANE,)
+
+
+def lane_of(task) -> str:
+    return WEIGHTS_LANE if task.group == protocol.WEIGHTS else task.kind
 
 
 TEST_LAYER_PACE = "FASTCACHE_TEST_LAYER_PACE"     # SECONDS, tests only: a pause after each published layer

@@ -19,6 +19,8 @@ class Task:
     gpu_ids: np.ndarray
     cpu_ids: np.ndarray
     layerwise: bool = False             # a swap-in that publishes each layer as it lands (ipc/layers.py)
+    group: str = "kv"                   # the tensor group whose blocks the ids name (kv, weights)
+    ring: int = 0                       # a weight stream: slots of the ring it fills (ipc/ring.py)
     gpu_set: frozenset = field(init=False)
     cpu_set: frozenset = field(init=False)
     dispatched: bool = False
@@ -28,6 +30,8 @@ class Task:
         self.cpu_set = frozenset(self.cpu_ids.tolist())
 
     def conflicts(self, other: "Task") -> bool:
+        if self.group != other.group:       # ids of two groups name different memory
+            return False
         return not (self.gpu_set.isdisjoint(other.gpu_set) and self.cpu_set.isdisjoint(other.cpu_set))
 
 

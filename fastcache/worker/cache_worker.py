@@ -19,6 +19,7 @@ from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
 from .reshard import ReshardFollower
+from .weights import WorkerWeights
 
 log = logging.getLogger("fastcache.worker")
 
@@ -33,7 +34,10 @@ def close_local_workers(suffix: str):
 
 class CacheWorker:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, device: str = "sim", suffix: str = "",
-                 framework: str = "numpy", device_id: int | None = None, settings: Settings | None = None):
+                 framework: str = "numpy", device_id: int | None = None, settings: Settings | None = None,
+                 tensors: dict | None = None):
+        """`tensors` ({name: tensor} for every tensor of spec.tensors(rank, device_id)): an engine's own cache,
+        adopted instead of allocated (no copy; see DeviceOps.adopt). A clear then only lets go of it."""
         if not suffix:
             raise ValueError("suffix is required: pass the deployment's SwapBackend.suffix")
         if not 0 <= rank < tp_size:
@@ -44,6 +48,7 @@ class CacheWorker:
         self.device_id = rank if device_id is None else device_id
         self.settings = settings or Settings.from_env()
         self.ops = get_ops(device)
+        self._adopted = tensors
         self.generation = 0
         self._cache = None
         self._by_kind = {}      # kind -> the current tensors of that kind, layer order
@@ -52,6 +57,7 @@ class CacheWorker:
         self._thread = None
         self.signals = self.barrier = None
         self._reshard = ReshardFollower(self)       # docs/design.md §9: follows reshard steps on the watch thread
+        self.weights = None                         # WorkerWeights once registered (docs/design.md §11)
 
     # -- the tensors -----------------------------------------------------------------------------
     def _tensors(self, kind):
@@ -87,8 +93,11 @@ class CacheWorker:
 
     def _allocate(self):
         self.generation += 1
-        self._cache = self.ops.allocate(self.spec, self.rank, self.device_id, self.framework, self.suffix,
-                                        self.generation)
+        if self._adopted is not None:
+            self._cache = self.ops.adopt(self.spec, self.rank, self.device_id, self._adopted)
+        else:
+            self._cache = self.ops.allocate(self.spec, self.rank, self.device_id, self.framework, self.suffix,
+                                            self.generation)
         self._publish()
         self.signals.cache_ready[self.rank] = 1
 
@@ -140,7 +149,11 @@ class CacheWorker:
                     # free only once every transfer manager has dropped its mappings
                     self.barrier.wait(self.party, self.settings.phase_timeout)
                     self._release()
+                    if self.weights is not None and self.signals.sleep_level[0]:     # a sleep frees weights too
+                        self.weights.release()
                 else:
+                    if self.weights is not None and not self.weights.allocated:     # waking (§11)
+                        self.weights.allocate()
                     if self._cache is None:
                         self._allocate()
                     self.barrier.wait(self.party, self.settings.phase_timeout)
@@ -157,6 +170,16 @@ class CacheWorker:
         wait_layer(self.signals, [self.rank], task_id, layer, timeout,
                    heartbeat_timeout=self.settings.transfer_timeout)
 
+    def register_weights(self, layout) -> "WorkerWeights":
+        """Allocate and export the model's weights beside the cache (docs/design.md §11): `layout` is the
+        deployment's SwapBackend.weight_layout. Load them with `weights.load(layer, {name: array})`."""
+        if self.signals is None or self.weights is not None:
+            raise ValueError("register_weights needs a started worker, once")
+        weights = WorkerWeights(layout, self)
+        weights.allocate()
+        self.weights = weights
+        return weights
+
     def close(self):
         """Stop beating, free the cache, and detach from the deployment."""
         self._stop.set()
@@ -169,6 +192,8 @@ class CacheWorker:
         self._reshard.release()
         if self.signals is not None:
             self._release()
+            if self.weights is not None and self.weights.allocated:
+                self.weights.release()
             self.signals.worker_heartbeat[self.rank] = 0
             self.barrier.close()
             self.signals.close()

@@ -1,0 +1,59 @@
+"""vLLM's offload keys as fastcache's 64-bit hashes, and vLLM's chunks as fastcache CPU blocks (no vLLM import).
+
+A key is a 32-byte block hash (SHA-256 based) plus a 4-byte KV group index. The CPU tier's index keys on the
+whole key, so two keys never share an entry. Only L3 objects are named by 64 bits: the hash's first 8 bytes
+with the group mixed in (and, for a chunk of several blocks, the block's place in it). Two different keys
+meet there with probability about n²/2^65 for n stored blocks (1e-8 at 1e6 blocks); such a meeting would
+serve the other key's bytes, which is why the namespace names the model and weight version.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15          # odd constant: spreads small integers over 64 bits
+
+
+def key_hash(key: bytes) -> int:
+    """64-bit hash of a vLLM OffloadKey (block hash + 4-byte big-endian group index)."""
+    group = int.from_bytes(key[-4:], "big")
+    return int.from_bytes(key[:8], "little") ^ ((group * _GOLDEN) & MASK)
+
+
+def block_hashes(keys, blocks_per_chunk: int) -> np.ndarray:
+    """The L3 name of each fastcache CPU block of these chunks, chunk by chunk."""
+    base = np.array([key_hash(k) for k in keys], dtype=np.uint64)
+    if blocks_per_chunk == 1:
+        return base
+    step = (np.arange(blocks_per_chunk, dtype=np.uint64) * np.uint64(_GOLDEN))
+    return (base[:, None] + step[None, :]).reshape(-1)       # wraps modulo 2^64, as intended
+
+
+def chunk_blocks(chunks, blocks_per_chunk: int) -> np.ndarray:
+    """Every fastcache CPU block of these chunks, in order."""
+    chunks = np.asarray(chunks, dtype=np.int64)
+    return (chunks[:, None] * blocks_per_chunk + np.arange(blocks_per_chunk)).reshape(-1)
+
+
+def gpu_to_cpu_blocks(gpu_ids, group_sizes, block_indices, chunks, blocks_per_chunk: int):
+    """Pair each GPU block of a vLLM transfer with its fastcache CPU block.
+
+    GPU blocks come grouped by KV group; group g's first block is block block_indices[g] of its request, so
+    its first chunk may be entered part-way (vLLM's own CPU worker counts the same way)."""
+    gpu_ids = np.asarray(gpu_ids, dtype=np.int64)
+    chunks = np.asarray(chunks, dtype=np.int64)
+    cpu, g0, c0 = [], 0, 0
+    for size, first in zip(group_sizes, block_indices):
+        if size == 0:
+            continue
+        logical = np.arange(size) + first % blocks_per_chunk
+        used = -(-(size + first % blocks_per_chunk) // blocks_per_chunk)
+        if c0 + used > len(chunks):
+            raise ValueError(f"{size} GPU blocks from block {first} need {used} chunks, "
+                             f"{len(chunks) - c0} given")
+        cpu.append(chunks[c0 + logical // blocks_per_chunk] * blocks_per_chunk + logical % blocks_per_chunk)
+        g0, c0 = g0 + size, c0 + used
+    if g0 != len(gpu_ids) or c0 != len(chunks):
+        raise ValueError(f"group sizes {list(group_sizes)} cover {g0} of {len(gpu_ids)} GPU blocks and "
+                         f"{c0} of {len(chunks)} chunks")
+    return gpu_ids, (np.concatenate(cpu) if cpu else np.zeros(0, dtype=np.int64))

@@ -1,0 +1,210 @@
+"""The scheduler side: vLLM's OffloadingManager over fastcache's index of CPU chunks.
+
+TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
+- Recency: an OrderedDict, least recently used first; lookups only read, loads and stores refresh.
+- Eviction takes the least recently used ready entry no load is reading (vLLM pins through prepare_load).
+- Fail closed: a stored chunk becomes visible only once every worker rank stamped it (link.py); a failed
+  store drops it, as does a failed fetch from L3.
+- Weights change, the cache goes: reset_cache() (vLLM's reset_prefix_cache(reset_connector=True)) drops every
+  entry and moves L3 to a new namespace generation, so nothing stored before is served.
+- L3 (optional): a key missing from the CPU tier but held by the store for every rank is a hit; its load
+  first fetches it into a chunk (the worker runs the fetch, then the swap-in).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import numpy as np
+from vllm.v1.kv_offload.base import (LookupResult, OffloadingManager, PrepareStoreOutput,
+                                     RequestOffloadingContext)
+
+from ...store.keys import ObjectKeys, fingerprint
+from ...store.url import open_store
+from .keys import block_hashes
+from .link import ManagerLinks
+from .specs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
+
+log = logging.getLogger("fastcache.vllm")
+
+STORING, READY, FETCHING = "storing", "ready", "fetching"
+
+
+class Entry:
+    __slots__ = ("chunk", "state", "pins", "stamp")
+
+    def __init__(self, chunk: int, state: str, stamp: int):
+        self.chunk, self.state, self.pins, self.stamp = chunk, state, 0, stamp
+
+
+class FastcacheManager(OffloadingManager):
+    def __init__(self, num_chunks: int, blocks_per_chunk: int, links: ManagerLinks, world_size: int,
+                 store: str | None = None):
+        self.num_chunks, self.blocks_per_chunk, self.world_size = num_chunks, blocks_per_chunk, world_size
+        self._links = links
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._free = list(range(num_chunks - 1, -1, -1))
+        self._next_stamp = 1
+        self.generation = 0                     # reset_cache() count: part of every L3 namespace
+        self._store_url, self._store, self._l3_keys = store, None, None
+        self.counters = {"lookups": 0, "hits": 0, "l3_hits": 0, "stored": 0, "store_failed": 0, "loaded": 0,
+                         "fetch_failed": 0, "evicted": 0}
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def lookup(self, key, req_context) -> LookupResult:
+        self.counters["lookups"] += 1
+        entry = self._entries.get(key)
+        if entry is not None:
+            if entry.state != READY:
+                return LookupResult.HIT_PENDING
+            self.counters["hits"] += 1
+            return LookupResult.HIT
+        if self._store_url is not None and self._in_store(key):
+            self.counters["l3_hits"] += 1
+            return LookupResult.HIT
+        return LookupResult.MISS
+
+    def prepare_load(self, keys, req_context) -> FastcacheLoadSpec:
+        chunks, fetch, stamps = [], [], []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:                   # an L3 hit: fetched into a chunk before the swap-in
+                chunk = self._take_chunk(protect=keys)
+                if chunk is None:
+                    raise RuntimeError("fastcache: no CPU chunk free for an L3 fetch (every chunk is in use)")
+                entry = self._entries[key] = Entry(chunk, FETCHING, self._new_stamp())
+                fetch.append(True)
+            else:
+                fetch.append(False)
+            entry.pins += 1
+            self._entries.move_to_end(key)
+            chunks.append(entry.chunk)
+            stamps.append(entry.stamp)
+        fetch = np.array(fetch, dtype=bool)
+        hashes = block_hashes([k for k, f in zip(keys, fetch) if f], self.blocks_per_chunk)
+        return FastcacheLoadSpec(chunks, fetch, np.array(stamps, dtype=np.uint64), hashes, self.generation)
+
+    def touch(self, keys, req_context):
+        for key in reversed(list(keys)):        # the first key ends most recent: chains die tail first
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def complete_load(self, keys, req_context):
+        keys = [k for k in keys if k in self._entries]
+        fetched = [k for k in keys if self._entries[k].state == FETCHING]
+        ok = self._stamped(fetched)
+        for key, good in zip(fetched, ok):
+            entry = self._entries[key]
+            if good:
+                entry.state = READY
+            else:
+                self.counters["fetch_failed"] += 1
+        for key in keys:
+            entry = self._entries[key]
+            entry.pins -= 1
+            if entry.state == FETCHING and entry.pins == 0:
+                self._drop(key)
+        self.counters["loaded"] += len(keys)
+
+    # -- stores ----------------------------------------------------------------------------------
+    def prepare_store(self, keys, req_context) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        new = [k for k in keys if k not in self._entries]
+        evicted = []
+        if len(new) > len(self._free):
+            victims = self._victims(len(new) - len(self._free), protect=set(keys))
+            if victims is None:
+                return None                     # vLLM skips this store: nothing is lost, a later one may fit
+            for key in victims:
+                evicted.append(key)
+                self._drop(key)
+            self.counters["evicted"] += len(victims)
+        chunks, stamps = [], []
+        for key in new:
+            entry = self._entries[key] = Entry(self._free.pop(), STORING, self._new_stamp())
+            chunks.append(entry.chunk)
+            stamps.append(entry.stamp)
+        hashes = block_hashes(new, self.blocks_per_chunk) if self._store_url else np.zeros(0, np.uint64)
+        spec = FastcacheStoreSpec(chunks, np.array(stamps, dtype=np.uint64), hashes, self.generation)
+        return PrepareStoreOutput(keys_to_store=new, store_spec=spec, evicted_keys=evicted)
+
+    def complete_store(self, keys, req_context, success: bool = True):
+        pending = [k for k in keys if k in self._entries and self._entries[k].state == STORING]
+        ok = self._stamped(pending) if success else np.zeros(len(pending), dtype=bool)
+        for key, good in zip(pending, ok):
+            if good:
+                self._entries[key].state = READY
+                self.counters["stored"] += 1
+            else:
+                self.counters["store_failed"] += 1
+                self._drop(key)
+
+    # -- requests and resets ---------------------------------------------------------------------
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def reset_cache(self):
+        """New weights: every entry goes and L3 moves to the next namespace generation. vLLM promises no
+        completion of an earlier job arrives afterwards."""
+        self._entries.clear()
+        self._free = list(range(self.num_chunks - 1, -1, -1))
+        self.generation += 1
+        self._l3_keys = None
+
+    def shutdown(self):
+        self._links.close()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _new_stamp(self) -> int:
+        self._next_stamp += 1
+        return self._next_stamp
+
+    def _stamped(self, keys) -> np.ndarray:
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        entries = [self._entries[k] for k in keys]
+        try:
+            return self._links.stamped([e.chunk for e in entries], [e.stamp for e in entries])
+        except Exception as exc:                # no link, no proof: fail closed
+            log.warning("fastcache: cannot read the workers' stamps (%s); dropping %d entries", exc, len(keys))
+            return np.zeros(len(keys), dtype=bool)
+
+    def _take_chunk(self, protect):
+        if not self._free:
+            victims = self._victims(1, protect=set(protect))
+            if victims is None:
+                return None
+            self._drop(victims[0])
+            self.counters["evicted"] += 1
+        return self._free.pop()
+
+    def _victims(self, n, protect):
+        out = []
+        for key, entry in self._entries.items():
+            if entry.state == READY and entry.pins == 0 and key not in protect:
+                out.append(key)
+                if len(out) == n:
+                    return out
+        return None
+
+    def _drop(self, key):
+        entry = self._entries.pop(key)
+        self._free.append(entry.chunk)
+
+    def _in_store(self, key) -> bool:
+        try:
+            if self._l3_keys is None:
+                spec, namespace = self._links.geometry()
+                if self._store is None:
+                    self._store = open_store(self._store_url)
+                fp = fingerprint(spec, 1)
+                self._l3_keys = [ObjectKeys(rank_namespace(namespace, self.generation, r, self.world_size),
+                                            fp, 0) for r in range(self.world_size)]
+            hashes = block_hashes([key], self.blocks_per_chunk)
+            return bool(self._store.exists_every_rank(self._l3_keys, hashes).all())
+        except Exception as exc:                # an unreachable store is a miss, never a stall
+            log.warning("fastcache: L3 lookup failed (%s); treating as a miss", exc)
+            return False

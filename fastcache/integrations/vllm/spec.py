@@ -1,0 +1,95 @@
+"""fastcache as vLLM's KV offloading backend: the OffloadingSpec vLLM's OffloadingConnector loads, and
+FastcacheConnector, the same connector with failed transfers recomputed instead of asserted away.
+
+    kv_transfer_config = {"kv_connector": "FastcacheConnector",
+                          "kv_connector_module_path": "fastcache.integrations.vllm",
+                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                          "kv_connector_extra_config": {"spec_name": "FastcacheOffloadingSpec",
+                                                        "spec_module_path": "fastcache.integrations.vllm",
+                                                        "cpu_bytes_to_use": 4 << 30}}
+
+vLLM 0.32's OffloadingConnectorWorker asserts that every transfer succeeded, so with the plain
+OffloadingConnector a failed transfer stops the engine; FastcacheConnector reports a failed load's GPU blocks
+through get_block_ids_with_load_errors (vLLM then recomputes them) and a failed store to the manager (it is
+dropped), which is what the fault tests run.
+"""
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import OffloadingSpec
+
+from .link import ManagerLinks
+from .manager import FastcacheManager
+from .options import VllmOptions
+from .worker import FastcacheWorker
+
+
+class FastcacheOffloadingSpec(OffloadingSpec):
+    def __init__(self, config):
+        super().__init__(config)
+        self.options = VllmOptions.from_extra_config(dict(self.extra_config))
+        parallel = config.parallel
+        self.rank, self.world_size = parallel.rank, parallel.world_size
+        if config.worker_kv_bytes_per_block <= 0 or self.world_size <= 0:
+            raise ValueError("fastcache: vLLM gave no KV cache geometry (worker_kv_bytes_per_block is 0)")
+        per_chunk = config.worker_kv_bytes_per_block * self.world_size * self.blocks_per_chunk
+        self.num_chunks = self.options.cpu_bytes_to_use // per_chunk
+        if self.num_chunks < 1:
+            raise ValueError(f"kv_connector_extra_config: 'cpu_bytes_to_use' ({self.options.cpu_bytes_to_use}) "
+                             f"holds no chunk of {per_chunk} bytes")
+        self.namespace = self.options.namespace or f"{config.model.name}/{config.model.dtype}"
+        self._manager = self._worker = None
+
+    def get_manager(self) -> FastcacheManager:
+        if self._manager is None:
+            links = ManagerLinks(self.config.engine_id, self.world_size)
+            self._manager = FastcacheManager(self.num_chunks, self.blocks_per_chunk, links, self.world_size,
+                                             store=self.options.store)
+        return self._manager
+
+    def get_worker(self, kv_caches) -> FastcacheWorker:
+        if self._worker is None:
+            self._worker = FastcacheWorker(kv_caches, engine_id=self.config.engine_id, rank=self.rank,
+                                           world_size=self.world_size, num_chunks=self.num_chunks,
+                                           blocks_per_chunk=self.blocks_per_chunk, options=self.options,
+                                           namespace=self.namespace)
+        return self._worker
+
+
+class _RecomputingWorker(OffloadingConnectorWorker):
+    """vLLM's connector worker, except that a failed transfer is counted done and, for a load, its GPU blocks
+    are reported as load errors (vLLM 0.32 asserts success instead)."""
+
+    def get_finished(self, finished_req_ids):
+        finished_recving = set()
+        meta = self._connector_worker_meta
+        for result in self.worker.get_finished():
+            is_load = result.job_id in self._load_jobs
+            if result.success and result.transfer_time is not None and result.transfer_size is not None:
+                stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
+                stats.record(result.transfer_size, result.transfer_time)
+            meta.mark_completed(result.job_id)
+            req_id = self._load_jobs.pop(result.job_id, None)
+            if req_id is not None:
+                finished_recving.add(req_id)
+        return set(), finished_recving
+
+    def load_errors(self) -> set[int]:
+        take = getattr(self.worker, "take_load_errors", None)
+        return take() if take is not None else set()
+
+
+class FastcacheConnector(OffloadingConnector):
+    """OffloadingConnector whose failed loads are recomputed (set kv_load_failure_policy="recompute")."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_worker is not None:
+            old = self.connector_worker
+            self.connector_worker = _RecomputingWorker(old.spec, old.vllm_config, old.kv_cache_config)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.connector_worker is None or self.connector_worker.worker is None:
+            return set()
+        return self.connector_worker.load_errors()

@@ -1,0 +1,28 @@
+"""What the scheduler's manager hands a worker for one job (vLLM carries it inside its connector metadata)."""
+from __future__ import annotations
+
+import numpy as np
+from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec
+
+
+def rank_namespace(namespace: str, generation: int, rank: int, world_size: int) -> str:
+    """L3 namespace of one worker rank's slices: each vLLM worker runs its own one-rank deployment, so the
+    rank and the weight generation (reset count) go into the name."""
+    return f"{namespace}/gen{generation}/tp{world_size}r{rank}"
+
+
+class FastcacheStoreSpec(BlockIDsLoadStoreSpec):
+    """CPU chunks to fill, with the stamp each worker writes once a chunk's bytes landed, and (with L3) the
+    objects' hashes, chunk by chunk."""
+
+    def __init__(self, chunks, stamps: np.ndarray, hashes: np.ndarray, generation: int):
+        super().__init__(list(chunks))
+        self.stamps, self.hashes, self.generation = stamps, hashes, generation
+
+
+class FastcacheLoadSpec(BlockIDsLoadStoreSpec):
+    """CPU chunks to read; `fetch` marks chunks that first come up from L3 (their hashes, in order)."""
+
+    def __init__(self, chunks, fetch: np.ndarray, stamps: np.ndarray, hashes: np.ndarray, generation: int):
+        super().__init__(list(chunks))
+        self.fetch, self.stamps, self.hashes, self.generation = fetch, stamps, hashes, generation

@@ -1,0 +1,218 @@
+"""The worker side: a one-rank fastcache deployment inside each vLLM worker process, over vLLM's own KV tensors.
+
+The worker's `SwapBackend` spawns this rank's transfer manager and owns the CPU tier; a `CacheWorker` adopts
+vLLM's `(num_blocks, page_bytes)` tensors where they lie (sim: moved into shared memory in place once; cuda:
+exported by CUDA IPC), so the bytes vLLM computes with are the bytes fastcache moves. A vLLM job is one swap
+task (a load from L3 is a fetch into the CPU tier, then the swap-in); its handle's completion is one
+TransferResult, a failed handle `success=False` with the job's GPU blocks reported as load errors.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+from ...config import CacheSpec, Settings
+from ...engine.backend import SwapBackend
+from ...errors import TransferError
+from ...worker.cache_worker import CacheWorker
+from .keys import chunk_blocks, gpu_to_cpu_blocks
+from .link import WorkerLink
+from .specs import rank_namespace
+
+log = logging.getLogger("fastcache.vllm")
+
+
+def cache_spec(kv_caches, num_cpu_blocks: int) -> CacheSpec:
+    """vLLM's canonical tensors as a fastcache geometry: one 'layer' per tensor, one row of page bytes per
+    block (block_size 1, one head, head_dim = page bytes, uint8)."""
+    if len(kv_caches.group_data_refs) != 1:
+        raise ValueError(f"fastcache moves every layer of a block together; this model has "
+                         f"{len(kv_caches.group_data_refs)} KV cache groups (hybrid or sliding-window models are "
+                         f"not supported yet)")
+    shapes = {tuple(t.tensor.shape) for t in kv_caches.tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"fastcache needs one page size for every layer, got shapes {sorted(shapes)}")
+    num_blocks, page = shapes.pop()
+    for t in kv_caches.tensors:
+        if t.tensor.stride() != (page, 1) or t.page_size_bytes != page:
+            raise ValueError(f"KV tensor of stride {t.tensor.stride()} and page {t.page_size_bytes}: fastcache "
+                             f"needs contiguous pages (packed layouts are not supported)")
+    return CacheSpec(num_layers=len(kv_caches.tensors), num_gpu_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
+                     block_size=1, num_kv_heads=1, head_dim=page, cache_dtype="uint8", has_value=False)
+
+
+@dataclasses.dataclass
+class Job:
+    job_id: int
+    load: bool
+    gpu: np.ndarray
+    cpu: np.ndarray
+    spec: object                 # the manager's FastcacheStoreSpec / FastcacheLoadSpec
+    handle: object = None        # the current task's TransferHandle (a fetch's, then the swap's)
+    fetching: bool = False
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    error: str | None = None
+
+
+class FastcacheWorker(OffloadingWorker):
+    def __init__(self, kv_caches, *, engine_id: str, rank: int, world_size: int, num_chunks: int,
+                 blocks_per_chunk: int, options, namespace: str):
+        self.rank, self.world_size, self.bpc = rank, world_size, blocks_per_chunk
+        self.options, self.namespace = options, namespace
+        spec = cache_spec(kv_caches, num_chunks * blocks_per_chunk)
+        tensors = [t.tensor for t in kv_caches.tensors]
+        device = "cuda" if tensors[0].is_cuda else "sim"
+        device_id = tensors[0].device.index or 0 if device == "cuda" else 0
+        settings = dataclasses.replace(Settings.from_env(), transfer_timeout=options.transfer_timeout)
+        self.backend = SwapBackend(spec, tp_size=1, device=device, store=options.store, device_ids=[device_id],
+                                   settings=settings)
+        self.cache_worker = self.link = None
+        self._jobs: dict[int, Job] = {}
+        self._done: list[TransferResult] = []
+        self._puts: list = []                   # L3 write-through handles, reaped as they finish
+        self._load_errors: set[int] = set()
+        self._restarting: threading.Thread | None = None
+        try:
+            self.backend.start()
+            names = [info.name for info in spec.tensors(0, device_id)]
+            self.cache_worker = CacheWorker(spec, 0, 1, device=device, suffix=self.backend.suffix, framework="torch",
+                                            device_id=device_id, settings=settings,
+                                            tensors=dict(zip(names, tensors))).start()
+            self.backend.wait_ready(timeout=60)
+            self.link = WorkerLink(engine_id, rank, spec, num_chunks, namespace)
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)          # vLLM may exit without calling shutdown(): leave nothing behind
+        log.info("fastcache: rank %d of %d, %s, %d CPU chunks of %d bytes, %s", rank, world_size, device,
+                 num_chunks, spec.cpu_block_bytes * blocks_per_chunk, options.store or "no L3")
+
+    # -- vLLM's interface ------------------------------------------------------------------------
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        gpu, cpu = gpu_to_cpu_blocks(src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices,
+                                     dst_spec.block_ids, self.bpc)
+        job = self._jobs[job_id] = Job(job_id, False, gpu, cpu, dst_spec)
+        self._start(job, lambda: self.backend.swap_out(gpu, cpu))
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        gpu, cpu = gpu_to_cpu_blocks(dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
+                                     src_spec.block_ids, self.bpc)
+        job = self._jobs[job_id] = Job(job_id, True, gpu, cpu, src_spec)
+        if src_spec.fetch.any():
+            job.fetching = True
+            fetched = chunk_blocks(src_spec.block_ids[src_spec.fetch], self.bpc)
+            self._start(job, lambda: self.backend.store_to_cpu(self._l3_namespace(src_spec), src_spec.hashes,
+                                                               fetched))
+        else:
+            self._start(job, lambda: self.backend.swap_in(gpu, cpu))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        for job in list(self._jobs.values()):
+            self._advance(job)
+        self._reap_puts()
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids):
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            while job is not None and job_id in self._jobs:
+                if job.handle is not None and job.error is None:
+                    try:
+                        job.handle.result(timeout=self.options.transfer_timeout)
+                    except (TransferError, TimeoutError) as exc:
+                        job.error = str(exc)
+                self._advance(job)
+
+    def take_load_errors(self) -> set[int]:
+        """GPU blocks whose load failed since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self):
+        atexit.unregister(self.shutdown)
+        for closer in (self.cache_worker, self.backend, self.link):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception as exc:        # shutting down: say it, go on closing the rest
+                    log.warning("fastcache: closing %s: %s", type(closer).__name__, exc)
+        self.cache_worker = self.link = None
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def _start(self, job, submit):
+        try:
+            job.handle = submit()
+        except (TransferError, ValueError) as exc:
+            job.error = str(exc)
+
+    def _advance(self, job):
+        """Move a job on if its task finished: a fetch to its swap-in, a swap to its result."""
+        if job.error is None and not job.handle.done():
+            if time.monotonic() - job.started < self.options.transfer_timeout:
+                return
+            job.error = f"no result after {self.options.transfer_timeout} s"
+        if job.error is None and job.handle.error is not None:
+            job.error = job.handle.error
+        if job.error is None and job.fetching:
+            spec = job.spec
+            self.link.stamp(spec.block_ids[spec.fetch], spec.stamps[spec.fetch])
+            job.fetching = False
+            self._start(job, lambda: self.backend.swap_in(job.gpu, job.cpu))
+            return
+        del self._jobs[job.job_id]
+        if job.error is not None:
+            self._failed(job)
+            return
+        if not job.load:
+            self.link.stamp(job.spec.block_ids, job.spec.stamps)
+            self._write_through(job.spec)
+        nbytes = self.backend.spec.task_bytes(job.gpu)
+        self._done.append(TransferResult(job.job_id, True, nbytes, time.monotonic() - job.started))
+
+    def _failed(self, job):
+        log.warning("fastcache: %s job %d failed: %s", "load" if job.load else "store", job.job_id, job.error)
+        if job.load:
+            self._load_errors.update(int(b) for b in job.gpu)
+        self._done.append(TransferResult(job.job_id, False))
+        self._recover()
+
+    def _recover(self):
+        """Restart a dead transfer manager in the background; jobs meanwhile fail at once (vLLM recomputes)."""
+        if 0 not in self.backend.failed_ranks or (self._restarting and self._restarting.is_alive()):
+            return
+
+        def restart():
+            try:
+                self.backend.restart_rank(0, timeout=60)
+                log.warning("fastcache: rank %d's transfer manager restarted", self.rank)
+            except Exception as exc:
+                log.error("fastcache: restarting rank %d's transfer manager failed: %s", self.rank, exc)
+        self._restarting = threading.Thread(target=restart, name="fastcache-vllm-restart", daemon=True)
+        self._restarting.start()
+
+    def _write_through(self, spec):
+        if self.options.store is None or not len(spec.hashes):
+            return
+        try:
+            self._puts.append(self.backend.cpu_to_store(self._l3_namespace(spec), spec.hashes,
+                                                        chunk_blocks(spec.block_ids, self.bpc)))
+        except (TransferError, ValueError) as exc:
+            log.warning("fastcache: L3 put not submitted: %s", exc)
+
+    def _reap_puts(self):
+        for handle in [h for h in self._puts if h.done()]:
+            self._puts.remove(handle)
+            if handle.error is not None:
+                log.warning("fastcache: L3 put failed: %s", handle.error)
+
+    def _l3_namespace(self, spec) -> str:
+        return rank_namespace(self.namespace, spec.generation, self.rank, self.world_size)

@@ -1,0 +1,148 @@
+"""A worker's weights as a tensor group (docs/design.md §11).
+
+The device blocks (resident layers, then the ring's slots) are allocated with the worker's framework and
+exported like the KV cache; the engine's CPU region is mapped too, to load the offloaded layers. A forward
+reads each layer through `forward(task_id)`: a resident layer at once, a streamed one after its wait (the
+per-layer readiness of ipc/layers.py), and moving on tells the transfer manager a slot is free again.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import TransferError
+from ..ipc import ring
+from ..ipc.layers import wait_layer
+from ..ipc.manifest import write_json_segment
+from ..ipc.naming import weights_name
+from ..ipc.shm import SegmentError, SharedSegment
+from ..ops.frameworks import NUMPY_STORAGE, wrap_host_array
+from ..weight_spec import WeightSpec
+
+
+class WorkerWeights:
+    def __init__(self, layout: WeightSpec, worker):
+        if not isinstance(layout, WeightSpec):
+            raise ValueError(f"weights must be a WeightSpec (SwapBackend.weight_layout), got {type(layout).__name__}")
+        self.layout, self.worker = layout, worker
+        self.generation = 0
+        self._local = self._manifest = None
+        self._by_name = {}
+
+    @property
+    def allocated(self) -> bool:
+        return self._local is not None
+
+    def allocate(self):
+        w = self.worker
+        self.generation += 1
+        self._local = w.ops.allocate_group(self.layout, w.rank, w.device_id, w.framework, w.suffix,
+                                           self.generation, "weights")
+        infos = self.layout.tensors(w.rank, w.device_id)
+        self._by_name = {name: self._local.tensors[info.name]
+                         for (name, _, _), info in zip(self.layout.layer_tensors, infos)}
+        self._manifest = write_json_segment(weights_name(w.suffix, w.rank, "exports"), self._local.manifest, w.suffix)
+        w.signals.weights_ready[w.rank, 0] = 1
+
+    def release(self):
+        if self._manifest is not None:
+            self._manifest.close()
+            self._manifest = None
+        self._by_name = {}
+        if self._local is not None:
+            self._local.release()
+            self._local = None
+        self.worker.signals.weights_ready[self.worker.rank, 0] = 0      # only now is the memory free
+
+    # -- loading ----------------------------------------------------------------------------------
+    def load(self, layer: int, arrays: dict):
+        """Write one layer's weights ({name: array}, every name of the model): into its device block if it is
+        resident, else into the engine's CPU region it streams from. Checked in full before a byte moves."""
+        self.layout.check_names(arrays)
+        missing = sorted({n for n, _, _ in self.layout.layer_tensors} - set(arrays))
+        if missing:
+            raise ValueError(f"layer {layer}: weights {missing} are missing")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise ValueError(f"layer must be an int, got {layer!r}")
+        self.layout.block_of(layer)         # range check
+        host = {}
+        for name, shape, dtype in self.layout.layer_tensors:
+            a = np.asarray(arrays[name])
+            if a.shape != shape or a.dtype != NUMPY_STORAGE[dtype]:
+                raise ValueError(f"weight {name!r}: got {a.dtype}{list(a.shape)}, the model has {dtype}{list(shape)}")
+            host[name] = a
+        if not self.allocated:
+            raise TransferError(f"rank {self.worker.rank}: the weights are not allocated (the deployment sleeps)")
+        if layer < self.layout.resident_layers:
+            for (name, _, dtype) in self.layout.layer_tensors:
+                _copy_into(self._by_name[name][layer], host[name], dtype, self.worker.framework)
+            return
+        row = np.concatenate([a.reshape(-1).view(np.uint8) for a in host.values()])
+        with self._cpu_region() as seg:
+            seg.array(np.uint8, (self.layout.num_cpu_blocks, self.layout.layer_bytes))[layer] = row
+
+    def _cpu_region(self) -> SharedSegment:
+        w = self.worker
+        try:
+            return SharedSegment.attach(weights_name(w.suffix, w.rank, "cpu"), w.suffix)
+        except SegmentError as exc:
+            raise TransferError(f"rank {w.rank}: the engine's CPU weight region is not there ({exc})") from None
+
+    # -- the forward ------------------------------------------------------------------------------
+    def resident(self, layer: int) -> dict:
+        """{name: tensor} of a resident layer."""
+        if not layer < self.layout.resident_layers:
+            raise ValueError(f"layer {layer} is streamed: read it inside forward(task_id)")
+        return self.block(layer)
+
+    def block(self, block: int) -> dict:
+        """{name: tensor} of one device block (a resident layer, or a ring slot)."""
+        return {name: t[block] for name, t in self._by_name.items()}
+
+    def forward(self, task_id: int | None, timeout: float | None = None) -> "Forward":
+        """One forward pass over the layers in order; task_id: the handle of backend.stream_weights() for
+        this pass (None when no layer is offloaded)."""
+        return Forward(self, task_id, timeout)
+
+
+class Forward:
+    """`with weights.forward(task_id) as f: for l in range(L): x = layer_fn(x, f.layer(l))`. Leaving the block
+    frees the ring for the next pass, whatever happened inside it."""
+
+    def __init__(self, weights: WorkerWeights, task_id, timeout):
+        layout = weights.layout
+        if layout.streamed_layers and (isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 1):
+            raise ValueError(f"layers {list(layout.streamed_layers)} are offloaded: pass the task_id of "
+                             f"backend.stream_weights(), got {task_id!r}")
+        self.weights, self.task_id, self.timeout = weights, task_id, timeout
+        self.signals, self.rank = weights.worker.signals, weights.worker.rank
+
+    def __enter__(self):
+        if self.weights.layout.streamed_layers:
+            ring.begin(self.signals.weight_ring, self.rank, self.task_id)
+        return self
+
+    def __exit__(self, *exc):
+        if self.weights.layout.streamed_layers:
+            ring.done_with(self.signals.weight_ring, self.rank, self.task_id, ring.FINISHED)
+
+    def layer(self, layer: int) -> dict:
+        """{name: tensor} of `layer`, once it is in place; every layer before it is done with."""
+        layout, w = self.weights.layout, self.weights
+        if not w.allocated:
+            raise TransferError(f"rank {self.rank}: the weights are not allocated (the deployment sleeps)")
+        block = layout.block_of(layer)
+        index = layer - layout.resident_layers          # its place in the stream, when streamed
+        if layout.streamed_layers:
+            ring.done_with(self.signals.weight_ring, self.rank, self.task_id, max(0, index))
+        if index >= 0:
+            wait_layer(self.signals, [self.rank], self.task_id, index, self.timeout,
+                       heartbeat_timeout=w.worker.settings.transfer_timeout, slots=self.signals.weight_layers)
+        return w.block(block)
+
+
+def _copy_into(tensor, array: np.ndarray, dtype: str, framework: str):
+    """Host array into a framework tensor (a device block of a resident layer)."""
+    if isinstance(tensor, np.ndarray):
+        tensor[...] = array
+    else:                       # torch / paddle: copy_ from a host tensor sharing the array's memory
+        tensor.copy_(wrap_host_array(np.ascontiguousarray(array), dtype, framework))

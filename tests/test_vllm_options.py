@@ -1,0 +1,51 @@
+"""fastcache's kv_connector_extra_config checks and vLLM's keys mapped to fastcache's (no vLLM needed)."""
+import numpy as np
+import psutil
+import pytest
+
+from fastcache.integrations.vllm.keys import block_hashes, chunk_blocks, gpu_to_cpu_blocks, key_hash
+from fastcache.integrations.vllm.options import ConfigError, VllmOptions
+
+
+def test_good_config_keeps_vllm_keys():
+    opts = VllmOptions.from_extra_config({"spec_name": "FastcacheOffloadingSpec", "spec_module_path": "m",
+                                          "cpu_bytes_to_use": 1 << 20, "store": "file:///tmp/x",
+                                          "blocks_per_chunk": 2, "namespace": "llama/step-0"})
+    assert (opts.cpu_bytes_to_use, opts.store, opts.namespace) == (1 << 20, "file:///tmp/x", "llama/step-0")
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"cpu_bytes_to_use": 1, "cpu_byts": 1}, "cpu_byts"),
+    ({}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": 0}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": "1G"}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": psutil.virtual_memory().total + 1}, "cpu_bytes_to_use"),
+    ({"cpu_bytes_to_use": 1, "store": "redis://host:1"}, "store"),
+    ({"cpu_bytes_to_use": 1, "store": "mooncake://host"}, "store"),
+    ({"cpu_bytes_to_use": 1, "namespace": ""}, "namespace"),
+    ({"cpu_bytes_to_use": 1, "transfer_timeout": 0}, "transfer_timeout"),
+])
+def test_bad_config_names_the_key(extra, key):
+    with pytest.raises(ConfigError, match=key):
+        VllmOptions.from_extra_config(extra)
+
+
+def test_key_hash_mixes_the_group():
+    block = bytes(range(32))
+    a, b = key_hash(block + (0).to_bytes(4, "big")), key_hash(block + (1).to_bytes(4, "big"))
+    assert a != b and 0 <= a < 2**64 and 0 <= b < 2**64
+    hashes = block_hashes([block + bytes(4)], 4)
+    assert len(set(hashes.tolist())) == 4 and hashes[0] == a
+
+
+def test_gpu_blocks_pair_with_chunk_blocks_like_vllm():
+    """Group 0 starts at request block 3 with 2 blocks per chunk: its first chunk is entered half-way."""
+    gpu, cpu = gpu_to_cpu_blocks([10, 11, 12, 13, 20], group_sizes=[4, 1], block_indices=[3, 0],
+                                 chunks=[7, 8, 9, 5], blocks_per_chunk=2)
+    assert gpu.tolist() == [10, 11, 12, 13, 20]
+    assert cpu.tolist() == [15, 16, 17, 18, 10]
+    assert chunk_blocks([7, 5], 2).tolist() == [14, 15, 10, 11]
+    with pytest.raises(ValueError, match="chunks"):
+        gpu_to_cpu_blocks([1, 2, 3], [3], [0], chunks=[1], blocks_per_chunk=2)
+    assert np.array_equal(gpu_to_cpu_blocks([4], [1], [0], [6], 1)[1], [6])
