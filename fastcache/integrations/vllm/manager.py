@@ -12,6 +12,7 @@ TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 
@@ -23,7 +24,7 @@ from ...store.keys import ObjectKeys, fingerprint
 from ...store.url import open_store
 from .keys import block_hashes
 from .link import ManagerLinks
-from .specs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
+from .jobs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
 
 log = logging.getLogger("fastcache.vllm")
 
@@ -44,23 +45,18 @@ class FastcacheManager(OffloadingManager):
         self._links = links
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self._free = list(range(num_chunks - 1, -1, -1))
-        self._next_stamp = 1
+        self._stamps = itertools.count(1)      # one per store or fetch: a stale stamp never matches
         self.generation = 0                     # reset_cache() count: part of every L3 namespace
         self._store_url, self._store, self._l3_keys = store, None, None
-        self.counters = {"lookups": 0, "hits": 0, "l3_hits": 0, "stored": 0, "store_failed": 0, "loaded": 0,
-                         "fetch_failed": 0, "evicted": 0}
 
     # -- lookups ---------------------------------------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
-        self.counters["lookups"] += 1
         entry = self._entries.get(key)
         if entry is not None:
             if entry.state != READY:
                 return LookupResult.HIT_PENDING
-            self.counters["hits"] += 1
             return LookupResult.HIT
         if self._store_url is not None and self._in_store(key):
-            self.counters["l3_hits"] += 1
             return LookupResult.HIT
         return LookupResult.MISS
 
@@ -94,17 +90,13 @@ class FastcacheManager(OffloadingManager):
         fetched = [k for k in keys if self._entries[k].state == FETCHING]
         ok = self._stamped(fetched)
         for key, good in zip(fetched, ok):
-            entry = self._entries[key]
             if good:
-                entry.state = READY
-            else:
-                self.counters["fetch_failed"] += 1
+                self._entries[key].state = READY
         for key in keys:
             entry = self._entries[key]
             entry.pins -= 1
             if entry.state == FETCHING and entry.pins == 0:
                 self._drop(key)
-        self.counters["loaded"] += len(keys)
 
     # -- stores ----------------------------------------------------------------------------------
     def prepare_store(self, keys, req_context) -> PrepareStoreOutput | None:
@@ -118,7 +110,6 @@ class FastcacheManager(OffloadingManager):
             for key in victims:
                 evicted.append(key)
                 self._drop(key)
-            self.counters["evicted"] += len(victims)
         chunks, stamps = [], []
         for key in new:
             entry = self._entries[key] = Entry(self._free.pop(), STORING, self._new_stamp())
@@ -134,9 +125,7 @@ class FastcacheManager(OffloadingManager):
         for key, good in zip(pending, ok):
             if good:
                 self._entries[key].state = READY
-                self.counters["stored"] += 1
             else:
-                self.counters["store_failed"] += 1
                 self._drop(key)
 
     # -- requests and resets ---------------------------------------------------------------------
@@ -159,8 +148,7 @@ class FastcacheManager(OffloadingManager):
 
     # -- helpers ---------------------------------------------------------------------------------
     def _new_stamp(self) -> int:
-        self._next_stamp += 1
-        return self._next_stamp
+        return next(self._stamps)
 
     def _stamped(self, keys) -> np.ndarray:
         if not keys:
@@ -178,7 +166,6 @@ class FastcacheManager(OffloadingManager):
             if victims is None:
                 return None
             self._drop(victims[0])
-            self.counters["evicted"] += 1
         return self._free.pop()
 
     def _victims(self, n, protect):

@@ -23,7 +23,7 @@ from ...errors import TransferError
 from ...worker.cache_worker import CacheWorker
 from .keys import chunk_blocks, gpu_to_cpu_blocks
 from .link import WorkerLink
-from .specs import rank_namespace
+from .jobs import rank_namespace
 
 log = logging.getLogger("fastcache.vllm")
 
