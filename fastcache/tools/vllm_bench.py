@@ -1,0 +1,194 @@
+"""vLLM's real engine over a production trace, three ways: its own prefix cache only, plus fastcache's CPU
+tier, plus a Mooncake Store below that tier (started here on localhost for the run).
+
+    python -m fastcache.tools.vllm_bench --trace conversation_trace.jsonl [--requests 600] [--json OUT]
+
+The first --requests of a Mooncake trace become token ids: each hash id is a fixed random block of
+--block-tokens tokens (one vLLM block, one fastcache chunk), a request keeps its first --blocks hash ids and
+ends in a few tokens of its own, so that every hash block is a full, cacheable block. A dummy Llama large
+enough that prefill dominates (8 layers, hidden 1024, float32 on the CPU build) runs each way in its own
+child process (fastcache.tools.vllm_run), one request after another (--concurrency), --max-tokens each.
+vLLM's own cache is kept small (--gpu-blocks) so that it evicts, as a GPU's would under load.
+
+Printed per way: prefill tokens computed, TTFT p50/p90, requests/s, whether the outputs equal vLLM alone;
+fastcache's hit rate next to the LRU model of the same capacities (fastcache.tools.trace_model); and the
+scheduler-side manager's cost per scheduler step, fastcache's next to vLLM's own CPUOffloadingManager (LRU)
+fed the same keys, replayed in the same process (fastcache.tools.manager_replay).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from ..store.service import store_for_run
+from .trace_model import load_trace, simulate
+
+FLOAT32 = 4
+TAIL_TOKENS = 8
+WAYS = ("vllm", "fastcache", "fastcache+l3")
+
+
+def model_config(layers: int, hidden: int, kv_heads: int, vocab: int) -> dict:
+    heads = hidden // 64
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": hidden * 11 // 4, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1,
+            "eos_token_id": 2, "hidden_act": "silu", "rope_theta": 10000.0}
+
+
+def kv_bytes_per_block(model: dict, block_tokens: int) -> int:
+    """K and V of every layer for one block, as vLLM's CPU build pages them (float32)."""
+    head_dim = model["hidden_size"] // model["num_attention_heads"]
+    return 2 * model["num_hidden_layers"] * model["num_key_value_heads"] * head_dim * block_tokens * FLOAT32
+
+
+def trace_prompts(requests, block_tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token ids per request: a fixed random block per hash id (equal ids, equal tokens), then a tail of
+    the request's own."""
+    blocks = {}
+    out = []
+    for i, hashes in enumerate(requests):
+        tokens = []
+        for h in hashes:
+            if h not in blocks:
+                blocks[h] = np.random.default_rng([seed, h]).integers(3, vocab, block_tokens).tolist()
+            tokens += blocks[h]
+        tokens += np.random.default_rng([seed, 1 << 40, i]).integers(3, vocab, TAIL_TOKENS).tolist()
+        out.append(tokens)
+    return out
+
+
+def run_way(job: dict, timeout: float) -> dict:
+    """One engine in a child process; its report."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fastcache-vllm-job-") as f:
+        json.dump(job, f)
+        f.flush()
+        proc = subprocess.run([sys.executable, "-m", "fastcache.tools.vllm_run", f.name], capture_output=True,
+                              text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("REPORT "):
+            return json.loads(line[len("REPORT "):])
+    raise SystemExit(f"vllm_bench: the {job['way']} run exited {proc.returncode} without a report:\n"
+                     f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def summary(report: dict, prompts) -> dict:
+    ttft = np.asarray(report["ttft"]) * 1e3
+    prompt_tokens = sum(map(len, prompts))
+    cached = sum(report["cached_tokens"])
+    return {"prefill_tokens": prompt_tokens - cached, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+            "external_tokens": int(report["external_hit_tokens"]), "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p90_ms": float(np.percentile(ttft, 90)), "requests_per_s": len(prompts) / report["seconds"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fastcache.tools.vllm_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="JSONL trace (Mooncake's format)")
+    p.add_argument("--requests", type=int, default=600, help="the first N requests (default 600)")
+    p.add_argument("--blocks", type=int, default=4, help="hash ids kept per request (default 4)")
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per hash id: vLLM's block (multiple of 32)")
+    p.add_argument("--gpu-blocks", type=int, default=64, help="vLLM's own KV cache, blocks (default 64)")
+    p.add_argument("--cpu-blocks", type=int, default=512, help="fastcache's CPU tier, blocks (default 512)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (closed loop)")
+    p.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--ways", default=",".join(WAYS), help=f"which runs, comma-separated (of {', '.join(WAYS)})")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    args = p.parse_args(argv)
+    ways = [w for w in args.ways.split(",") if w]
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        p.error(f"--ways: unknown {unknown}; choose from {list(WAYS)}")
+    if args.block_tokens < 32 or args.block_tokens % 32:
+        p.error("--block-tokens must be a multiple of 32 (vLLM's CPU attention)")
+    if min(args.requests, args.blocks, args.gpu_blocks, args.cpu_blocks, args.concurrency, args.max_tokens) < 1:
+        p.error("--requests, --blocks, --gpu-blocks, --cpu-blocks, --concurrency and --max-tokens must be >= 1")
+
+    trace = load_trace(args.trace, args.requests)
+    requests = [h[:args.blocks] for h in trace.requests]
+    model = model_config(args.layers, args.hidden, args.kv_heads, args.vocab)
+    prompts = trace_prompts(requests, args.block_tokens, args.vocab)
+    block_bytes = kv_bytes_per_block(model, args.block_tokens)
+    job = {"model": model, "block_size": args.block_tokens, "gpu_blocks": args.gpu_blocks, "prompts": prompts,
+           "max_model_len": max(map(len, prompts)) + args.max_tokens + args.block_tokens,
+           "concurrency": args.concurrency, "max_tokens": args.max_tokens, "extra": None}
+    extra = {"spec_name": "FastcacheOffloadingSpec", "spec_module_path": "fastcache.integrations.vllm",
+             "cpu_bytes_to_use": args.cpu_blocks * block_bytes}
+    print(f"vllm_bench: {len(prompts)} requests of {trace.path} (first {args.blocks} blocks of {args.block_tokens} "
+          f"tokens each, {sum(map(len, prompts))} prompt tokens), Llama {args.layers} layers hidden {args.hidden} "
+          f"float32 (dummy weights), vLLM cache {args.gpu_blocks} blocks, fastcache CPU tier {args.cpu_blocks} "
+          f"blocks of {block_bytes >> 10} KiB, concurrency {args.concurrency}, {args.max_tokens} tokens out", flush=True)
+
+    reports = {}
+    for way in ways:
+        store = "mooncake" if way == "fastcache+l3" else None
+        segment_mb = max(64, (len(set().union(*requests)) * block_bytes >> 20) * 2)
+        with store_for_run(store, segment_mb) as url:
+            way_extra = None
+            if way != "vllm":
+                way_extra = dict(extra, **({"store": url, "namespace": "vllm-bench/dummy"} if url else {}))
+            reports[way] = run_way(dict(job, way=way, extra=way_extra), args.timeout)
+        print(f"  {way}: done in {reports[way]['seconds']:.1f} s", flush=True)
+
+    result = report(args, requests, prompts, reports, block_bytes)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["outputs_equal"] else 1
+
+
+def report(args, requests, prompts, reports, block_bytes) -> dict:
+    blocks = sum(map(len, requests))
+    rows = {way: summary(r, prompts) for way, r in reports.items()}
+    base = reports.get("vllm")
+    equal = all(r["outputs"] == base["outputs"] for r in reports.values()) if base else True
+    print(f"\n{'way':<14}{'prefill tokens':>15}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'req/s':>8}"
+          f"{'vLLM-cache hits':>17}{'fastcache hits':>16}")
+    for way, row in rows.items():
+        local = (row["cached_tokens"] - row["external_tokens"]) / args.block_tokens
+        print(f"{way:<14}{row['prefill_tokens']:>15,}{row['ttft_p50_ms']:>13.1f}{row['ttft_p90_ms']:>13.1f}"
+              f"{row['requests_per_s']:>8.2f}{local / blocks:>16.1%} {row['external_tokens'] / args.block_tokens / blocks:>15.1%}")
+    if base:
+        print(f"outputs equal to vLLM alone, token for token: {'yes' if equal else 'NO'}")
+    # the tier's real size: vLLM's page of a block may be larger than K and V alone
+    chunks = next((r["manager_in_run"]["num_chunks"] for r in reports.values() if "manager_in_run" in r),
+                  args.cpu_blocks)
+    model = {"fastcache": simulate(requests, args.gpu_blocks, chunks).rates(),
+             "fastcache+l3": simulate(requests, args.gpu_blocks, chunks, l3=True).rates()}
+    print(f"\nLRU model of the same capacities (vLLM cache {args.gpu_blocks}, CPU tier {chunks} blocks):")
+    for way, rates in model.items():
+        line = f"  {way:<14} model: vLLM cache {rates['gpu_hit_rate']:.1%}, fastcache {rates['cpu_hit_rate'] + rates['l3_hit_rate']:.1%}"
+        if way in rows:
+            line += f"   measured: fastcache {rows[way]['external_tokens'] / args.block_tokens / blocks:.1%}"
+        print(line)
+    costs = {}
+    for way in ("fastcache", "fastcache+l3"):
+        if way not in reports:
+            continue
+        r = reports[way]
+        ours, theirs = r["manager_replay"]["fastcache"], r["manager_replay"]["vllm_lru"]
+        costs[way] = {"in_run_us": r["manager_in_run"]["mean_us"], "replay_fastcache_us": ours["mean_us"],
+                      "replay_vllm_lru_us": theirs["mean_us"], "ratio": ours["mean_us"] / theirs["mean_us"],
+                      "l3_fetches": r["manager_in_run"]["l3_fetches"], "replay": r["manager_replay"]}
+        print(f"\nscheduler-side manager per step ({way} run, {ours['steps']} steps): in the run {costs[way]['in_run_us']:.1f} us"
+              f" (stamps read from the workers' shared memory{', L3 lookups' if way.endswith('l3') else ''}); "
+              f"replayed: fastcache {ours['mean_us']:.1f} us, vLLM CPUOffloadingManager (LRU) {theirs['mean_us']:.1f} us,"
+              f" ratio {costs[way]['ratio']:.2f}x (loads served {ours['loaded_keys']} vs {theirs['loaded_keys']})")
+    return {"args": vars(args), "blocks": blocks, "cpu_chunks": chunks, "block_bytes": block_bytes, "ways": rows, "model": model,
+            "manager": costs, "outputs_equal": equal}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""One vLLM engine over a list of prompts, timed per request: the child process of fastcache.tools.vllm_bench.
+
+    python -m fastcache.tools.vllm_run JOB.json  ->  one line "REPORT {json}" on stdout
+
+The job names the model (a config.json written here, dummy weights), vLLM's own KV cache size in blocks,
+the prompts (token ids), the tokens to generate, the closed-loop concurrency and, for a fastcache run, the
+kv_connector_extra_config. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+the scheduler's OffloadingManager can be wrapped by manager_replay.Recorder and its calls replayed against
+fastcache's manager and vLLM's CPUOffloadingManager here, after the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("PYTHONHASHSEED", "0")              # vLLM's block hashes: equal across engines (L3)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def engine(job: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    model_dir = tempfile.mkdtemp(prefix="fastcache-bench-model-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(job["model"], f)
+    kv = None
+    if job.get("extra") is not None:
+        kv = KVTransferConfig(kv_connector="FastcacheConnector", kv_connector_module_path="fastcache.integrations.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config=job["extra"])
+    return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+               dtype="float32", kv_transfer_config=kv, disable_log_stats=False, block_size=job["block_size"],
+               num_gpu_blocks_override=job["gpu_blocks"], max_model_len=job["max_model_len"],
+               max_num_seqs=max(1, job["concurrency"]))
+
+
+def offloading_scheduler(llm):
+    """The connector's scheduler side in the in-process engine core, or None without fastcache."""
+    core = llm.llm_engine.engine_core.engine_core
+    connector = getattr(core.scheduler, "connector", None)
+    return getattr(connector, "connector_scheduler", None)
+
+
+def replay_requests(llm, prompts, max_tokens: int, concurrency: int) -> dict:
+    """Closed loop: `concurrency` requests in flight, the next added as one finishes. TTFT runs from a
+    request's add_request to the end of the engine step that gave its first token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False)
+    eng = llm.llm_engine
+    added, first, outputs, cached = {}, {}, {}, {}
+    todo = list(enumerate(prompts))[::-1]
+    began = time.perf_counter()
+    while todo or eng.has_unfinished_requests():
+        while todo and len(added) - len(outputs) < concurrency:
+            i, tokens = todo.pop()
+            added[str(i)] = time.perf_counter()
+            eng.add_request(str(i), TokensPrompt(prompt_token_ids=tokens), params)
+        for out in eng.step():
+            now = time.perf_counter()
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens or 0
+    seconds = time.perf_counter() - began
+    ids = [str(i) for i in range(len(prompts))]
+    return {"seconds": seconds, "ttft": [first[r] - added[r] for r in ids], "outputs": [outputs[r] for r in ids],
+            "cached_tokens": [cached[r] for r in ids]}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        job = json.load(f)
+    llm = engine(job)
+    scheduler = offloading_scheduler(llm)
+    recorder = None
+    if scheduler is not None:
+        from .manager_replay import Recorder
+        recorder = scheduler.manager = Recorder(scheduler.manager)
+    # a warm-up request outside the figures: the first forward pays one-time costs
+    replay_requests(llm, [[7] * job["block_size"]], 1, 1)
+    llm.reset_prefix_cache()
+    if recorder is not None:
+        recorder.calls.clear()
+        recorder.step_seconds = [0.0]
+        recorder.l3_fetches = 0
+    report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"])
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    report["external_hit_tokens"] = metrics.get("vllm:external_prefix_cache_hits") or 0
+    report["load_bytes"] = metrics.get("vllm:kv_offload_load_bytes") or 0
+    if recorder is not None:
+        from .manager_replay import fastcache_manager, replay, vllm_lru_manager
+        steps = recorder.step_seconds
+        ended = max(1, len(steps) - 1)         # the last entry collects calls after the last step's end
+        report["manager_in_run"] = {"steps": ended, "mean_us": sum(steps) / ended * 1e6,
+                                    "l3_fetches": recorder.l3_fetches, "num_chunks": recorder.num_chunks}
+        chunks = recorder.num_chunks
+        report["manager_replay"] = {
+            "fastcache": replay(recorder.calls, fastcache_manager(chunks, recorder.blocks_per_chunk)),
+            "vllm_lru": replay(recorder.calls, vllm_lru_manager(chunks))}
+    print("REPORT " + json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

