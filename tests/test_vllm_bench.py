@@ -29,6 +29,7 @@ def test_equal_hash_ids_give_equal_token_blocks_and_every_tail_is_its_own():
 
 
 @needs_vllm
+@pytest.mark.vllm
 def test_replay_feeds_both_managers_the_same_keys():
     """A store of 6 keys into 4 chunks, then loads: both LRU managers evict the same two and serve the same
     hits; a load asks each manager only for what it holds."""
@@ -82,4 +83,7 @@ def test_three_ways_equal_outputs_and_fastcache_hits_what_vllm_evicted(tmp_path)
     assert report["manager"]["fastcache+l3"]["l3_fetches"] > 0
     for cost in report["manager"].values():
         assert cost["replay"]["fastcache"]["loaded_keys"] == cost["replay"]["vllm_lru"]["loaded_keys"]
+    # the replay makes the run's own decisions: every load of the CPU-tier run is replayed
+    cpu_run = report["manager"]["fastcache"]
+    assert cpu_run["loaded_keys"] == cpu_run["replay"]["fastcache"]["loaded_keys"] == hits["fastcache"], cpu_run
     assert "scheduler-side manager per step" in proc.stdout

@@ -32,6 +32,7 @@ class Recorder:
         self.calls = []
         self.step_seconds = [0.0]   # the manager's time in each scheduler step
         self.l3_fetches = 0         # keys a load first fetched from the store (fastcache with L3)
+        self.loaded_keys = 0        # keys the scheduler loaded
         self._open = {}             # (kind, request id, keys) -> index of the prepare call
 
     def __getattr__(self, name):
@@ -61,13 +62,16 @@ class Recorder:
         keys = (keys,) if name == "lookup" else tuple(keys)
         success = args[2] if len(args) > 2 else kwargs.get("success", True)
         req, ref = context.req_id, None
+        # vLLM completes a job with the set of its keys: match them as sets
         if name == "prepare_store" and out is not None:
-            self._open[("store", req, tuple(out.keys_to_store))] = len(self.calls)
+            self._open[("store", req, frozenset(out.keys_to_store))] = len(self.calls)
         elif name == "prepare_load":
-            self._open[("load", req, keys)] = len(self.calls)
+            self._open[("load", req, frozenset(keys))] = len(self.calls)
+            self.loaded_keys += len(keys)
             self.l3_fetches += int(np.count_nonzero(getattr(out, "fetch", ())))
         elif name in ("complete_store", "complete_load"):
-            ref = self._open.pop(("store" if name == "complete_store" else "load", req, keys), None)
+            kind = "store" if name == "complete_store" else "load"
+            ref = self._open.pop((kind, req, frozenset(keys)), None)
         self.calls.append((name, req, keys, success, ref))
 
 

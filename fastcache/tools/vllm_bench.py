@@ -181,11 +181,13 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
         ours, theirs = r["manager_replay"]["fastcache"], r["manager_replay"]["vllm_lru"]
         costs[way] = {"in_run_us": r["manager_in_run"]["mean_us"], "replay_fastcache_us": ours["mean_us"],
                       "replay_vllm_lru_us": theirs["mean_us"], "ratio": ours["mean_us"] / theirs["mean_us"],
-                      "l3_fetches": r["manager_in_run"]["l3_fetches"], "replay": r["manager_replay"]}
+                      "l3_fetches": r["manager_in_run"]["l3_fetches"],
+                      "loaded_keys": r["manager_in_run"]["loaded_keys"], "replay": r["manager_replay"]}
         print(f"\nscheduler-side manager per step ({way} run, {ours['steps']} steps): in the run {costs[way]['in_run_us']:.1f} us"
               f" (stamps read from the workers' shared memory{', L3 lookups' if way.endswith('l3') else ''}); "
               f"replayed: fastcache {ours['mean_us']:.1f} us, vLLM CPUOffloadingManager (LRU) {theirs['mean_us']:.1f} us,"
-              f" ratio {costs[way]['ratio']:.2f}x (loads served {ours['loaded_keys']} vs {theirs['loaded_keys']})")
+              f" ratio {costs[way]['ratio']:.2f}x (keys loaded: in the run {r['manager_in_run']['loaded_keys']}, replayed {ours['loaded_keys']} and "
+              f"{theirs['loaded_keys']})")
     return {"args": vars(args), "blocks": blocks, "cpu_chunks": chunks, "block_bytes": block_bytes, "ways": rows, "model": model,
             "manager": costs, "outputs_equal": equal}
 

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     if recorder is not None:
         recorder.calls.clear()
         recorder.step_seconds = [0.0]
-        recorder.l3_fetches = 0
+        recorder.l3_fetches = recorder.loaded_keys = 0
     report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     report["external_hit_tokens"] = metrics.get("vllm:external_prefix_cache_hits") or 0
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         steps = recorder.step_seconds
         ended = max(1, len(steps) - 1)         # the last entry collects calls after the last step's end
         report["manager_in_run"] = {"steps": ended, "mean_us": sum(steps) / ended * 1e6,
-                                    "l3_fetches": recorder.l3_fetches, "num_chunks": recorder.num_chunks}
+                                    "l3_fetches": recorder.l3_fetches, "num_chunks": recorder.num_chunks,
+                                    "loaded_keys": recorder.loaded_keys}
         chunks = recorder.num_chunks
         report["manager_replay"] = {
             "fastcache": replay(recorder.calls, fastcache_manager(chunks, recorder.blocks_per_chunk)),
