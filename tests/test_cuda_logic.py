@@ -15,6 +15,7 @@ pytest.importorskip("cuda.bindings.runtime")
 
 import fastcache.ops.cuda as cuda_ops  # noqa: E402
 import fastcache.ops.cuda_copiers as copiers  # noqa: E402
+import fastcache.ops.cuda_events as cuda_events  # noqa: E402
 import fastcache.ops.cuda_swap_space as swap_space  # noqa: E402
 import fastcache.ops.cuda_kernels as kernels  # noqa: E402
 from cuda.bindings import runtime  # noqa: E402
@@ -28,7 +29,9 @@ OK = runtime.cudaError_t.cudaSuccess
 
 class FakeRuntime:
     """The cudaXxx calls the copiers make, done synchronously in host memory; it records the copies."""
-    cudaStreamNonBlocking, cudaEventDisableTiming = 1, 2
+    cudaStreamNonBlocking, cudaEventDisableTiming, cudaEventInterprocess = 1, 2, 4
+    cudaEventWaitExternal = cudaEventRecordExternal = 1
+    cudaError_t, cudaIpcEventHandle_t = runtime.cudaError_t, runtime.cudaIpcEventHandle_t
     cudaHostRegisterMapped, cudaHostRegisterPortable = 2, 1
     cudaMemcpyKind, cudaDeviceAttr = runtime.cudaMemcpyKind, runtime.cudaDeviceAttr
     cudaMemcpyAttributes, cudaMemcpyFlags = runtime.cudaMemcpyAttributes, runtime.cudaMemcpyFlags
@@ -122,6 +125,16 @@ class FakeRuntime:
         self.calls.append("sync")
         return (OK,)
 
+    def cudaEventQuery(self, event):        # everything ran at once: every event has completed
+        return (OK,)
+
+    def cudaEventSynchronize(self, event):
+        self.calls.append("event sync")
+        return (OK,)
+
+    def cudaGetDevice(self):
+        return OK, 0
+
     cudaSetDevice = cudaEventDestroy = cudaStreamDestroy = cudaDeviceSynchronize = _ok
     cudaStreamWaitEvent = cudaEventRecord = _event
 
@@ -150,7 +163,7 @@ FAKE = None     # the fixture's runtime, for fake_launch's call log
 def fake_cuda(monkeypatch):
     global FAKE
     fake = FAKE = FakeRuntime()
-    for module in (cuda_ops, copiers, swap_space, kernels):
+    for module in (cuda_ops, copiers, swap_space, kernels, cuda_events):
         monkeypatch.setattr(module, "runtime", fake)
         monkeypatch.setattr(module, "set_device", lambda device_id: None)
     monkeypatch.setattr(copiers, "device_attribute", lambda device_id, name: 2)

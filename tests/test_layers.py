@@ -58,9 +58,10 @@ def test_each_layer_is_in_place_when_its_wait_returns_and_not_before(monkeypatch
                         np.testing.assert_array_equal(g, e)
         handle.result(timeout=30)
         assert ready_at[0] < ready_at[-1]           # layer 0 was ready before the last one
-        # the worker's side waits by task id on its own rank
+        # the worker's side waits by task id on its own rank; on sim a stream is accepted and the host waits
         for w in workers:
             w.wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=5)
+            w.wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=5, stream=12345)
         round_trip(backend, workers, rng)
 
 

@@ -56,3 +56,10 @@ def weights_name(suffix: str, rank: int, what: str) -> str:
     """A rank's weight group (docs/design.md §11): "cpu" (the engine's CPU region), "exports" (its worker's
     manifest) or "gen<N>" (the sim device's weight memory)."""
     return segment_name(suffix, f"weights_{what}_rank{rank}")
+
+
+def events_name(suffix: str, rank: int, what: str, generation: int) -> str:
+    """Interprocess CUDA event handles a rank's process exports (JSON): "layers" and "weights" (its transfer
+    manager's, per task slot and layer), "ring_free" (its worker's, per ring slot). The generation, announced
+    in the ipc_events signal, is new for every creator, so a restarted one never meets a dead one's leftover."""
+    return segment_name(suffix, f"events_{what}_rank{rank}.g{generation:x}")

@@ -5,6 +5,10 @@ forward reads them. A slot may be overwritten only once the forward is done with
 worker writes, per rank, [stream task id, streamed layers it is done with] in the weight_ring signal (the
 count zeroed before the id is written, as in layers.py, so a reader that sees its task id reads that
 task's count); the transfer manager reads it before each copy.
+
+On cuda a forward that reads through a stream says "done with" before its kernels are: it first records the
+slot's interprocess event on its stream, and the transfer manager's copy stream waits on that event before
+refilling the slot (transfer/weights.py), so the count orders the host and the event the device.
 """
 from __future__ import annotations
 
@@ -39,11 +43,14 @@ def slot_free(ring, rank: int, task_id: int, index: int, slots: int) -> bool:
     return index < slots and (owner == 0 or done >= FINISHED)
 
 
-def wait_slot(ring, rank: int, task_id: int, index: int, slots: int, timeout: float):
-    """Until slot_free; TransferError naming the rank after `timeout` s (a forward that never moves on)."""
+def wait_slot(ring, rank: int, task_id: int, index: int, slots: int, timeout: float, idle=None):
+    """Until slot_free; TransferError naming the rank after `timeout` s (a forward that never moves on).
+    idle(): called between reads (the cuda stream publishes the layers that landed meanwhile)."""
     deadline = time.monotonic() + timeout
     while not slot_free(ring, rank, task_id, index, slots):
         if time.monotonic() > deadline:
             raise TransferError(f"rank {rank}: the slot for streamed layer {index} of task {task_id} was still in "
                                 f"use after {timeout:.0f} s (the worker's forward did not move on)")
+        if idle is not None:
+            idle()
         time.sleep(POLL_S)

@@ -46,6 +46,8 @@ class IPCSignal:
 
 
 LAYER_SLOTS = 64         # layer-by-layer swap-ins a rank publishes at once (slot: task id modulo this)
+# ipc_events columns: who exported which interprocess CUDA events (ops/cuda_events.py)
+EVENTS_LAYERS, EVENTS_WEIGHTS, EVENTS_RING_FREE = 0, 1, 2
 
 # name -> (shape per tp_size, dtype)
 SIGNALS = {
@@ -55,8 +57,8 @@ SIGNALS = {
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
     "task_received": (lambda tp: (tp,), np.int64),      # the last message number each transfer manager read
-    # layer-by-layer swap-ins (ipc/layers.py): per rank and slot, [task id, layers in place]
-    "layer_ready": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
+    # layer-by-layer swap-ins (ipc/layers.py): per rank and slot, [task id, layers in place, layers recorded]
+    "layer_ready": (lambda tp: (tp, LAYER_SLOTS, 3), np.int64),
     # reshard (docs/design.md §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
     # journal; the attempt is written last, so a reader that sees it new sees the rest new too
     "reshard_state": (lambda tp: (5,), np.int64),
@@ -66,8 +68,11 @@ SIGNALS = {
     # layer_ready); per rank [stream task id, streamed layers its forward is done with] (ipc/ring.py)
     "weights_ready": (lambda tp: (tp, 2), np.int32),
     "sleep_level": (lambda tp: (1,), np.int32),
-    "weight_layers": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
+    "weight_layers": (lambda tp: (tp, LAYER_SLOTS, 3), np.int64),
     "weight_ring": (lambda tp: (tp, 2), np.int64),
+    # cuda (docs/design.md §11): per rank the generation (0: none) of the interprocess events exported for
+    # [layer_ready (transfer manager), weight_layers (transfer manager), ring slots freed (worker)]
+    "ipc_events": (lambda tp: (tp, 3), np.int64),
 }
 
 

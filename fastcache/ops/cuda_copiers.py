@@ -14,6 +14,7 @@ the same code serves tensors attached over IPC and, in the exporting process, a 
 from __future__ import annotations
 
 import bisect
+import functools
 
 import numpy as np
 from cuda.bindings import runtime
@@ -21,6 +22,7 @@ from cuda.bindings import runtime
 from ..config import COPY_METHODS as METHODS, CacheSpec, Settings
 from ..errors import TransferError
 from .base import Copier
+from .cuda_events import Completions, create_events, destroy_events, record, stream_wait
 from .cuda_kernels import Lane, RowKernel, cuda_check, device_attribute, memcpy_async, set_device
 
 STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
@@ -46,6 +48,7 @@ class _CudaCopier(Copier):
         set_device(self.device_id)
         self._batch = batch_attributes(required=False)     # None where the driver predates it
         self._lanes = {True: self._new_lane(), False: self._new_lane()}     # keyed by "to host"
+        self._layer_events = None       # per layer, for layer-by-layer swap-ins given no events of their own
 
     def _new_lane(self) -> Lane:
         return Lane()
@@ -56,13 +59,40 @@ class _CudaCopier(Copier):
     def swap_in(self, gpu_ids, cpu_ids):
         self._swap(gpu_ids, cpu_ids, to_host=False)
 
-    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published):
-        """Layer by layer in layer order: each layer's rows in one cudaMemcpyBatchAsync (one call per row
-        where the driver predates it), the stream synchronised, then the layer published. Whatever the
-        copy method, so that a layer is never published before its bytes are on the device."""
-        self._swap(gpu_ids, cpu_ids, to_host=False, published=published)
+    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published, events=None, recorded=None):
+        """Layer by layer in layer order, back to back on one stream: each layer's rows in one
+        cudaMemcpyBatchAsync (one call per row where the driver predates it), then that layer's event recorded
+        on the stream and recorded(layer) called (a worker's stream may wait on the event from then on), and
+        published(layer) once the event has completed, so that a host waiter never sees a layer before its
+        bytes are on the device, whatever the copy method. events: one per layer (interprocess ones, shared
+        with workers), else the copier's own.
 
-    def _swap(self, gpu_ids, cpu_ids, to_host, published=None):
+        No host sync between layers: a sync there would leave the copy engine idle while the host publishes
+        and enqueues the next layer. Layers that have landed are published (cudaEventQuery) while later ones
+        are enqueued, the rest in order (cudaEventSynchronize) once all are; on this thread, not a second
+        one, so the slot has one writer and the task is reported done only after its last layer is in place."""
+        def run(lane, gpu, cpu):
+            self._run_layers(lane, gpu, cpu, published, events or self._own_layer_events(), recorded)
+        self._swap(gpu_ids, cpu_ids, to_host=False, run=run)
+
+    def enqueue_swap_in(self, gpu_ids, cpu_ids, event, after=()):
+        """The blocks' rows queued on the swap-in stream behind the `after` events (in stream order, no host
+        wait), then `event` recorded; returns before they land (a streamed weight layer)."""
+        def run(lane, gpu, cpu):
+            for other in after:
+                stream_wait(lane.stream, other)
+            dst, src, size = (a.tolist() for a in row_copies(
+                self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu, cpu, to_host=False))
+            self._copies(dst, src, size, False, lane.stream)
+            record(event, lane.stream)
+        self._swap(gpu_ids, cpu_ids, to_host=False, run=run)
+
+    def _own_layer_events(self) -> list:
+        if self._layer_events is None:
+            self._layer_events = create_events(len(self._by_layer), interprocess=False)
+        return self._layer_events
+
+    def _swap(self, gpu_ids, cpu_ids, to_host, run=None):
         gpu, cpu = _id_list(gpu_ids), _id_list(cpu_ids)
         if len(gpu) != len(cpu):
             raise ValueError(f"{len(gpu)} gpu ids and {len(cpu)} cpu ids: they must pair up")
@@ -76,20 +106,25 @@ class _CudaCopier(Copier):
         lane = self._lanes[to_host]
         with lane.lock:
             set_device(self.device_id)
-            if published is None:
+            if run is None:
                 self._run(lane, gpu, cpu, to_host)
             else:
-                self._run_layers(lane, gpu, cpu, published)
+                run(lane, gpu, cpu)
 
-    def _run_layers(self, lane, gpu, cpu, published):
+    def _run_layers(self, lane, gpu, cpu, published, events, recorded):
+        landed = Completions()
         for layer, tensors in self._by_layer:
             dst, src, size = (a.tolist() for a in row_copies(
                 [self.infos[i] for i in tensors], [self.pointers[i] for i in tensors], self.swap.host_ptr,
                 self.stride, gpu, cpu, to_host=False))
             if size:                        # else a draft layer none of the task's blocks reach
                 self._copies(dst, src, size, False, lane.stream)
-                lane.sync_stream()
-            published(layer)
+            record(events[layer], lane.stream)
+            if recorded is not None:
+                recorded(layer)             # only now: a stream waiting on the event before would not wait
+            landed.add(events[layer], functools.partial(published, layer))
+            landed.poll()
+        landed.drain()
 
     def _copies(self, dst: list, src: list, sizes: list, to_host: bool, stream):
         """Host-device copies in one cudaMemcpyBatchAsync where the driver has it, else one call each."""
@@ -109,6 +144,9 @@ class _CudaCopier(Copier):
             set_device(self.device_id)
         for lane in lanes.values():
             lane.close()
+        events, self._layer_events = self._layer_events, None
+        if events:
+            destroy_events(events)
 
 
 def _id_list(ids) -> list:

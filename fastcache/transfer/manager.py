@@ -26,7 +26,7 @@ from ..ipc.naming import swap_space_name
 from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, connect_client, signed, verified
 from ..ipc.shm import SegmentError, SharedSegment
-from ..ipc.signal import RESHARDING, DeploymentSignals
+from ..ipc.signal import EVENTS_LAYERS, RESHARDING, DeploymentSignals
 from ..ops import get_ops
 from ..weight_spec import WeightSpec
 from .l3 import StoreIO, store_task
@@ -57,6 +57,7 @@ class TransferManager:
         self.done_pull = self.context.socket(zmq.PULL)
         self.done_pull.bind(f"inproc://done{rank}")
         self.cache = self.swap = self.copier = None
+        self.layer_events = None        # cuda: interprocess events per (task slot, layer), for workers' streams
         self.phase = "running"          # running | clearing | cleared | restoring | reshard_prepare | resharding
         if self.signals.status == RESHARDING:   # started (or restarted) during a reshard: wait for its steps
             self.phase = "resharding"
@@ -181,9 +182,30 @@ class TransferManager:
             if self.attaches_tried == self.fail_attach:
                 raise TransferError(f"injected attach fault (FASTCACHE_FAIL_ATTACH) on attach {self.attaches_tried}")
             self.copier = self.ops.copier(self.cache, self.swap, self.spec)
+            self._export_layer_events()
             log.info("rank %d: attached %d tensors", self.rank, len(self.infos))
             if self.phase == "running":
                 self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0)
+
+    def _export_layer_events(self):
+        """cuda: the events layer-by-layer swap-ins record per layer, exported once for this process's life
+        (workers open them once). Where the driver refuses interprocess events, workers' stream waits fall
+        back to host waits (ipc_events stays 0)."""
+        if self.ops.name != "cuda" or (self.layer_events is not None and
+                                       self.layer_events.layers == self.spec.total_layers):
+            return
+        from ..ops.cuda_events import SlotEvents
+        self._close_layer_events()
+        try:
+            self.layer_events = SlotEvents(self.spec.total_layers, self.device_id, self.signals, self.rank,
+                                           EVENTS_LAYERS, "layers", self.suffix)
+        except TransferError as exc:
+            log.warning("rank %d: no interprocess events (%s); workers wait for layers on the host", self.rank, exc)
+
+    def _close_layer_events(self):
+        events, self.layer_events = self.layer_events, None
+        if events is not None:
+            events.close()
 
     def _detach_cache(self):
         copier, cache, self.copier, self.cache = self.copier, self.cache, None, None
@@ -337,9 +359,7 @@ class TransferManager:
             elif task.kind == protocol.SWAP_TO_CPU:
                 self.copier.swap_out(task.gpu_ids, task.cpu_ids)
             elif task.kind == protocol.SWAP_TO_GPU and task.layerwise:
-                layers = LayerPublisher(self.signals.layer_ready, self.rank, task.task_id)
-                self.copier.swap_in_layers(task.gpu_ids, task.cpu_ids, self.spec.total_layers,
-                                           paced(layers.published))
+                self._swap_in_layers(task)
             elif task.kind == protocol.SWAP_TO_GPU:
                 self.copier.swap_in(task.gpu_ids, task.cpu_ids)
             else:
@@ -353,6 +373,20 @@ class TransferManager:
             nbytes, skipped = group.task_bytes(task.gpu_ids), 0
         return protocol.encode("done", task_id=task.task_id, rank=self.rank, nbytes=nbytes, skipped=skipped,
                                seconds=time.perf_counter() - start)
+
+    def _swap_in_layers(self, task):
+        layers = LayerPublisher(self.signals.layer_ready, self.rank, task.task_id)
+        try:
+            if self.layer_events is None:
+                self.copier.swap_in_layers(task.gpu_ids, task.cpu_ids, self.spec.total_layers,
+                                           paced(layers.published))
+            else:           # cuda: each layer's event recorded after its copies, for workers' streams
+                self.copier.swap_in_layers(task.gpu_ids, task.cpu_ids, self.spec.total_layers,
+                                           paced(layers.published), events=self.layer_events.slot(task.task_id),
+                                           recorded=layers.recorded)
+        except BaseException:
+            layers.failed()         # every waiter on this rank raises at once, host and stream alike
+            raise
 
     def _maybe_fail(self, task):
         self.tasks_seen += 1
@@ -369,6 +403,7 @@ class TransferManager:
         self.detach()
         if self.weights is not None:
             self.weights.detach(region=True)
+        self._close_layer_events()
         if self.l3 is not None:
             self.l3.close()
         self.sock.close(0)

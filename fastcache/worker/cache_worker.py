@@ -8,17 +8,16 @@ from __future__ import annotations
 import logging
 import threading
 
-
 from ..config import CacheSpec, Settings
 from ..ipc.barrier import phase_barrier, worker_party
 from ..errors import TransferError
 from ..ipc.heartbeat import Heartbeat
-from ..ipc.layers import wait_layer
 from ..ipc.manifest import write_manifest
 from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
 from .reshard import ReshardFollower
+from .streams import LayerWaits
 from .weights import WorkerWeights
 
 log = logging.getLogger("fastcache.worker")
@@ -58,6 +57,7 @@ class CacheWorker:
         self.signals = self.barrier = None
         self._reshard = ReshardFollower(self)       # docs/design.md §9: follows reshard steps on the watch thread
         self.weights = None                         # WorkerWeights once registered (docs/design.md §11)
+        self.layer_waits = None                     # LayerWaits once started
 
     # -- the tensors -----------------------------------------------------------------------------
     def _tensors(self, kind):
@@ -78,6 +78,8 @@ class CacheWorker:
         self.signals = DeploymentSignals(self.suffix, self.tp_size)
         self.barrier = phase_barrier(self.suffix, self.tp_size)
         self.barrier.register(self.party)
+        self.layer_waits = LayerWaits(self.signals, self.rank, self.suffix, self.device_id, self.ops.name == "cuda",
+                                      self.settings.transfer_timeout)
         self._allocate()
         self._heartbeat = Heartbeat(self.signals.worker_heartbeat, self.rank, self.settings.heartbeat_interval)
         self._heartbeat.start()
@@ -161,14 +163,19 @@ class CacheWorker:
                 log.error("rank %d: %s failed (%s); keeping the cache as it is", self.rank,
                           "clear" if attempt[0] == CLEARING else "restore", exc)
 
-    def wait_layer(self, task_id: int, layer: int, timeout: float | None = None):
-        """Wait until `layer` of the layer-by-layer swap-in `task_id` (its handle's task_id) is in place on
-        this rank: what a forward waits for before computing that layer. Raises TransferError naming the
-        rank if its transfer manager stops beating meanwhile, TimeoutError after `timeout` seconds."""
+    def wait_layer(self, task_id: int, layer: int, timeout: float | None = None, stream=None,
+                   external: bool = False):
+        """Wait for `layer` of the layer-by-layer swap-in `task_id` (its handle's task_id) on this rank: what a
+        forward waits for before computing that layer. stream=None: returns once the layer is in place. With
+        a stream on cuda (a cudaStream_t int, or a torch / CuPy stream): returns once the transfer manager has
+        queued the layer's copy, with the stream made to wait for it, so kernels queued on the stream next
+        read the layer's bytes and the host never waits for the copy; external=True while the stream is being
+        captured into a CUDA graph (docs/design.md §11). On sim a stream is ignored (a host wait).
+        Raises TransferError naming the rank if the task fails there or its transfer manager stops beating
+        meanwhile, TimeoutError after `timeout` seconds."""
         if self.signals is None:
             raise TransferError("the worker is not started")
-        wait_layer(self.signals, [self.rank], task_id, layer, timeout,
-                   heartbeat_timeout=self.settings.transfer_timeout)
+        self.layer_waits.wait(task_id, layer, timeout, stream=stream, external=external)
 
     def register_weights(self, layout) -> "WorkerWeights":
         """Allocate and export the model's weights beside the cache (docs/design.md §11): `layout` is the
@@ -192,8 +199,11 @@ class CacheWorker:
         self._reshard.release()
         if self.signals is not None:
             self._release()
-            if self.weights is not None and self.weights.allocated:
-                self.weights.release()
+            if self.weights is not None:
+                if self.weights.allocated:
+                    self.weights.release()
+                self.weights.close_events()
+            self.layer_waits.close()
             self.signals.worker_heartbeat[self.rank] = 0
             self.barrier.close()
             self.signals.close()

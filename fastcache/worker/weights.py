@@ -4,6 +4,11 @@ The device blocks (resident layers, then the ring's slots) are allocated with th
 exported like the KV cache; the engine's CPU region is mapped too, to load the offloaded layers. A forward
 reads each layer through `forward(task_id)`: a resident layer at once, a streamed one after its wait (the
 per-layer readiness of ipc/layers.py), and moving on tells the transfer manager a slot is free again.
+
+With a stream on cuda both are ordered on the device: a streamed layer's wait is a stream wait
+(worker/streams.py), and before it publishes that it moved on, the forward records on that stream the
+interprocess event of each ring slot it has read, which the transfer manager's copy stream waits on before
+refilling the slot (ipc/ring.py). The host never waits for a copy or for the forward's kernels.
 """
 from __future__ import annotations
 
@@ -11,10 +16,10 @@ import numpy as np
 
 from ..errors import TransferError
 from ..ipc import ring
-from ..ipc.layers import wait_layer
 from ..ipc.manifest import write_json_segment
 from ..ipc.naming import weights_name
 from ..ipc.shm import SegmentError, SharedSegment
+from ..ipc.signal import EVENTS_RING_FREE, EVENTS_WEIGHTS
 from ..ops.frameworks import NUMPY_STORAGE, wrap_host_array
 from ..weight_spec import WeightSpec
 
@@ -27,6 +32,7 @@ class WorkerWeights:
         self.generation = 0
         self._local = self._manifest = None
         self._by_name = {}
+        self._free_events = None        # cuda: ExportedEvents, one per ring slot, made on the first streamed forward
 
     @property
     def allocated(self) -> bool:
@@ -98,23 +104,48 @@ class WorkerWeights:
         """{name: tensor} of one device block (a resident layer, or a ring slot)."""
         return {name: t[block] for name, t in self._by_name.items()}
 
-    def forward(self, task_id: int | None, timeout: float | None = None) -> "Forward":
+    def forward(self, task_id: int | None, timeout: float | None = None, stream=None,
+                external: bool = False) -> "Forward":
         """One forward pass over the layers in order; task_id: the handle of backend.stream_weights() for
-        this pass (None when no layer is offloaded)."""
-        return Forward(self, task_id, timeout)
+        this pass (None when no layer is offloaded). stream (cuda; a cudaStream_t int, or a torch / CuPy
+        stream): the stream the forward's kernels run on; streamed layers are then waited for, and their
+        slots freed, on it instead of on the host; external=True while it is being captured. Ignored on sim."""
+        return Forward(self, task_id, timeout, stream, external)
+
+    def ring_free_events(self):
+        """cuda: this worker's exported events, one per ring slot (device block resident_layers + k)."""
+        if self._free_events is None:
+            from ..ops.cuda_events import ExportedEvents
+            w = self.worker
+            self._free_events = ExportedEvents(self.layout.ring_slots, w.device_id, w.signals, w.rank,
+                                               EVENTS_RING_FREE, "ring_free", w.suffix,
+                                               first_block=self.layout.resident_layers)
+        return self._free_events
+
+    def close_events(self):
+        events, self._free_events = self._free_events, None
+        if events is not None:
+            events.close()
 
 
 class Forward:
     """`with weights.forward(task_id) as f: for l in range(L): x = layer_fn(x, f.layer(l))`. Leaving the block
     frees the ring for the next pass, whatever happened inside it."""
 
-    def __init__(self, weights: WorkerWeights, task_id, timeout):
+    def __init__(self, weights: WorkerWeights, task_id, timeout, stream=None, external: bool = False):
         layout = weights.layout
         if layout.streamed_layers and (isinstance(task_id, bool) or not isinstance(task_id, int) or task_id < 1):
             raise ValueError(f"layers {list(layout.streamed_layers)} are offloaded: pass the task_id of "
                              f"backend.stream_weights(), got {task_id!r}")
         self.weights, self.task_id, self.timeout = weights, task_id, timeout
         self.signals, self.rank = weights.worker.signals, weights.worker.rank
+        self.stream, self.external = stream, external
+        self._free = self._stream_pointer = None
+        self._unfreed = []          # (stream index, device block) read through the stream, slot not yet freed
+        if stream is not None and layout.streamed_layers and weights.worker.ops.name == "cuda":
+            from ..ops.cuda_events import stream_pointer
+            self._stream_pointer = stream_pointer(stream)
+            self._free = weights.ring_free_events()
 
     def __enter__(self):
         if self.weights.layout.streamed_layers:
@@ -123,7 +154,23 @@ class Forward:
 
     def __exit__(self, *exc):
         if self.weights.layout.streamed_layers:
+            self._free_slots_before(None)
             ring.done_with(self.signals.weight_ring, self.rank, self.task_id, ring.FINISHED)
+
+    def _free_slots_before(self, index):
+        """Record, on the stream, the slot-free event of every streamed layer read before `index` (None: all):
+        before the host says the forward is done with them, so the refill of a slot waits for these kernels."""
+        if self._free is None:
+            return
+        from ..ops.cuda_events import record
+        keep = []
+        for read, block in self._unfreed:
+            if index is None or read < index:
+                record(self._free.events[block - self.weights.layout.resident_layers], self._stream_pointer,
+                       self.external)
+            else:
+                keep.append((read, block))
+        self._unfreed = keep
 
     def layer(self, layer: int) -> dict:
         """{name: tensor} of `layer`, once it is in place; every layer before it is done with."""
@@ -133,10 +180,13 @@ class Forward:
         block = layout.block_of(layer)
         index = layer - layout.resident_layers          # its place in the stream, when streamed
         if layout.streamed_layers:
+            self._free_slots_before(max(0, index))
             ring.done_with(self.signals.weight_ring, self.rank, self.task_id, max(0, index))
         if index >= 0:
-            wait_layer(self.signals, [self.rank], self.task_id, index, self.timeout,
-                       heartbeat_timeout=w.worker.settings.transfer_timeout, slots=self.signals.weight_layers)
+            w.worker.layer_waits.wait(self.task_id, index, self.timeout, stream=self.stream,
+                                      slots=self.signals.weight_layers, column=EVENTS_WEIGHTS, external=self.external)
+            if self._free is not None and (index, block) not in self._unfreed:
+                self._unfreed.append((index, block))
         return w.block(block)
 
 
@@ -144,5 +194,7 @@ def _copy_into(tensor, array: np.ndarray, dtype: str, framework: str):
     """Host array into a framework tensor (a device block of a resident layer)."""
     if isinstance(tensor, np.ndarray):
         tensor[...] = array
+    elif framework == "cupy":   # a device array: set() copies host bytes in (bfloat16 travels as its bits)
+        tensor.set(np.ascontiguousarray(array).view(tensor.dtype))
     else:                       # torch / paddle: copy_ from a host tensor sharing the array's memory
         tensor.copy_(wrap_host_array(np.ascontiguousarray(array), dtype, framework))
