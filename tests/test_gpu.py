@@ -381,3 +381,72 @@ def test_layer_by_layer_swap_in_through_a_deployment(method, monkeypatch):
             print(f"\n{method}: layer 0 after {first * 1e3:.2f} ms, the whole task after {whole * 1e3:.2f} ms")
         finally:
             worker.close()
+
+
+def test_offloaded_forward_on_the_gpu_is_bit_identical_to_resident_and_to_this_process():
+    """The small model (fastcache/launch/model.py) in worker processes computing on the GPU with torch: all
+    resident, and with half its layers streamed through the ring while it computes. Both outputs are bit for
+    bit the same forward computed here on the GPU, and close to the NumPy forward (the right weights, not
+    merely the same wrong ones); prints the times."""
+    pytest.importorskip("torch")
+    from fastcache.launch.model import arrays, model_input, reference
+    from fastcache.launch.offload import timed_run
+    layers, hidden, batch = 8, 1024, 512
+    resident = timed_run(0.0, layers, hidden, batch, repeats=2, device="cuda", framework="torch")
+    streamed = timed_run(0.5, layers, hidden, batch, repeats=3, device="cuda", framework="torch", measure_copy=True)
+    assert len(streamed.layout.streamed_layers) == 4 and streamed.copy_seconds > 0
+    x = model_input(8, batch, hidden)           # timed_run's input (seed 8) and weights (seed 7)
+    want = reference(7, 0, x, layers, hidden, arrays("torch", "cuda", 0))
+    assert streamed.outputs[0].tobytes() == resident.outputs[0].tobytes(), "streamed differs from resident"
+    assert resident.outputs[0].tobytes() == want.tobytes(), "the workers' forward differs from this process's"
+    np.testing.assert_allclose(want, reference(7, 0, x, layers, hidden), rtol=1e-3, atol=1e-4)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0.1
+    print(f"\nresident {resident.seconds * 1e3:.2f} ms, 50% streamed {streamed.seconds * 1e3:.2f} ms per forward; "
+          f"one layer's copy {streamed.copy_seconds * 1e3:.3f} ms")
+
+
+def test_layer_waits_on_a_torch_stream_order_the_reads_after_each_layers_copy():
+    """Per-layer readiness through CUDA IPC events (docs/design.md §11): the worker's host waits only until a
+    layer's event is recorded and makes torch's current stream wait on it. A read of the layer's rows queued
+    on that stream right after each wait must hold the random bytes swapped out (1..255), never the zeros the
+    destination blocks held before the swap-in."""
+    import torch
+
+    from fastcache import SwapBackend
+    from fastcache.ipc.signal import EVENTS_LAYERS
+    from fastcache.worker import CacheWorker
+    spec = CacheSpec(num_layers=16, num_gpu_blocks=512, num_cpu_blocks=256, block_size=16, num_kv_heads=8,
+                     head_dim=128, cache_dtype="bfloat16")
+    with SwapBackend(spec, tp_size=1, device="cuda") as backend:
+        worker = CacheWorker(spec, rank=0, tp_size=1, device="cuda", suffix=backend.suffix, framework="torch").start()
+        try:
+            backend.wait_ready(timeout=120)
+            infos = spec.tensors()
+            tensors = [t.view(torch.uint8) for pair in zip(worker.key_caches, worker.value_caches) for t in pair]
+            order = torch.randperm(512, generator=torch.Generator().manual_seed(61))
+            src, dst = order[:256].cuda(), order[256:].cuda()
+            for t in tensors:
+                t[src] = torch.randint(1, 256, t[src].shape, dtype=torch.uint8, device="cuda")
+            want = [t[src].clone() for t in tensors]
+            torch.cuda.synchronize()
+            cpu = backend.allocate_cpu_blocks(256)
+            backend.swap_out(src.cpu().numpy(), cpu).result(timeout=60)
+            for t in tensors:
+                t[dst] = 0
+            torch.cuda.synchronize()
+            assert int(worker.signals.ipc_events[0, EVENTS_LAYERS]) != 0, "the transfer manager exported no events"
+            stream = torch.cuda.current_stream()
+            handle = backend.swap_in(dst.cpu().numpy(), cpu, layerwise=True)
+            seen = {}
+            for layer in range(spec.num_layers):
+                worker.wait_layer(handle.task_id, layer, timeout=60, stream=stream)
+                for k, info in enumerate(infos):
+                    if info.layer == layer:          # queued on the stream right after the wait, no host sync
+                        seen[k] = torch.index_select(tensors[k], 0, dst)
+            handle.result(timeout=60)
+            torch.cuda.synchronize()
+            for k, info in enumerate(infos):
+                assert bool((seen[k] != 0).all()), f"{info.name}: read zeros right after its layer's wait"
+                assert torch.equal(seen[k], want[k]), f"{info.name}: wrong bytes right after its layer's wait"
+        finally:
+            worker.close()

@@ -25,6 +25,7 @@ from ..store import StoreError, parse_store_url
 from ..store.service import store_for_run
 from .harness import conclude, start_workers, stop_workers, wait_until_ready
 from .liquid import parse_tps, run_liquid
+from .model import pick_framework
 from .offload import run_offload
 from .verify import Checks, Verifier
 from .workload import measure, prefix_reuse, rl_cycles, run_workload, store_round
@@ -70,7 +71,8 @@ def build_parser():
     g.add_argument("--offload-weights", metavar="FRACTION", type=float, default=None,
                    help="instead of the swap workload: a small model run all resident and with this fraction of its "
                         "layers offloaded and streamed through a ring of 2 slots; outputs compared bit for bit, "
-                        "the time of each reported (docs/design.md §11)")
+                        "the time of each reported; on cuda the workers compute on the GPU with torch or cupy "
+                        "(docs/design.md §11)")
     g.add_argument("--inject-corruption", action="store_true",
                    help="flip one byte behind fastcache's back, to see a check fail (exit status 1)")
     return p
@@ -128,11 +130,16 @@ def main(argv=None) -> int:
         print(f"fastcache.launch: {exc}", file=sys.stderr)
         return 2
     if args.offload_weights is not None:       # the weight path (offload.py)
-        if device != "sim" or not 0 <= args.offload_weights <= 1:
-            print("fastcache.launch: --offload-weights takes a fraction in [0, 1] and runs on --device sim (its "
-                  "model workers compute in NumPy)", file=sys.stderr)
+        if not 0 <= args.offload_weights <= 1:
+            print("fastcache.launch: --offload-weights takes a fraction in [0, 1]", file=sys.stderr)
             return 2
-        return run_offload(args.offload_weights, device, args.tp)
+        try:        # the model computes with numpy or torch on sim, torch or cupy on cuda (not paddle)
+            model_framework = pick_framework(device, args.framework)
+            round_robin_devices(device, args.tp)
+        except ValueError as exc:
+            print(f"fastcache.launch: --offload-weights: {exc}", file=sys.stderr)
+            return 2
+        return run_offload(args.offload_weights, device, args.tp, framework=model_framework)
     if args.reshard:        # liquid resharding (liquid.py): the first tp size is the start
         try:
             args.reshard = parse_tps(args.reshard, args.reshard_cycles, spec.num_kv_heads)
