@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier]     (default: all, in that order)
+#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier] [offload] [layers]  (default: all)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
 #   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu
 #   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
 #   launch  python -m fastcache.launch with no arguments (it must pick cuda), then what it left behind
 #   tier    benchmarks/tier_bench.py on the cuda device (what TieredCache's calls add to a swap), $OUT/tier.json
+#   offload benchmarks/offload_bench.py on cuda with torch (streamed weights against resident, a layer's compute
+#           beside its copy), then python -m fastcache.launch --offload-weights 0.5 on cuda
+#   layers  benchmarks/layer_bench.py on cuda: layer 0 in place against the whole layer-by-layer swap-in, a stream wait
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
@@ -88,8 +91,17 @@ run_launch() {
     return "$status"
 }
 
+run_offload() {
+    timeout 300 python3 benchmarks/offload_bench.py --device cuda --framework torch 2>&1 | tee "$OUT/offload.log" &&
+        timeout 120 python3 -m fastcache.launch --device cuda --offload-weights 0.5 2>&1 | tee -a "$OUT/offload.log"
+}
+
+run_layers() {
+    timeout 180 python3 benchmarks/layer_bench.py --device cuda 2>&1 | tee "$OUT/layers.log"
+}
+
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier)
+[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier offload layers)
 status=0
 log_env
 for step in "${steps[@]}"; do
@@ -100,7 +112,9 @@ for step in "${steps[@]}"; do
         bench) run_bench || status=1 ;;
         launch) run_launch || status=1 ;;
         tier) run_tier || status=1 ;;
-        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier)" >&2; status=2 ;;
+        offload) run_offload || status=1 ;;
+        layers) run_layers || status=1 ;;
+        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers)" >&2; status=2 ;;
     esac
 done
 exit $status
