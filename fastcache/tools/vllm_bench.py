@@ -88,6 +88,18 @@ def summary(report: dict, prompts) -> dict:
             "ttft_p90_ms": float(np.percentile(ttft, 90)), "requests_per_s": len(prompts) / report["seconds"]}
 
 
+def served_ttft(base: dict, run: dict, lengths: list) -> dict:
+    """The requests a fastcache run found more of cached than vLLM alone: their TTFT and prefill in both runs,
+    request by request (the same requests, so the comparison is paired)."""
+    ids = [i for i, (a, b) in enumerate(zip(base["cached_tokens"], run["cached_tokens"])) if b > a]
+    if not ids:
+        return {"requests": 0}
+    ours, theirs = (np.percentile([r["ttft"][i] for i in ids], 50) * 1e3 for r in (run, base))
+    prefill = [sum(lengths[i] - r["cached_tokens"][i] for i in ids) for r in (run, base)]
+    return {"requests": len(ids), "ttft_p50_ms": float(ours), "vllm_ttft_p50_ms": float(theirs),
+            "ratio": float(ours / theirs), "prefill_tokens": prefill[0], "vllm_prefill_tokens": prefill[1]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fastcache.tools.vllm_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,6 +174,14 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
               f"{row['requests_per_s']:>8.2f}{local / blocks:>16.1%} {row['external_tokens'] / args.block_tokens / blocks:>15.1%}")
     if base:
         print(f"outputs equal to vLLM alone, token for token: {'yes' if equal else 'NO'}")
+        for way in ("fastcache", "fastcache+l3"):
+            if way in reports:
+                rows[way]["served"] = served_ttft(base, reports[way], [len(p) for p in prompts])
+                served = rows[way]["served"]
+                if served["requests"]:
+                    print(f"  the {served['requests']} requests {way} served more of: TTFT p50 {served['ttft_p50_ms']:.1f} ms"
+                          f" (vLLM alone {served['vllm_ttft_p50_ms']:.1f} ms, {served['ratio']:.2f}x), prefill tokens "
+                          f"{served['prefill_tokens']:,} (vLLM alone {served['vllm_prefill_tokens']:,})")
     # the tier's real size: vLLM's page of a block may be larger than K and V alone
     chunks = next((r["manager_in_run"]["num_chunks"] for r in reports.values() if "manager_in_run" in r),
                   args.cpu_blocks)
