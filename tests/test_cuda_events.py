@@ -37,7 +37,7 @@ from fastcache.worker.streams import LayerWaits  # noqa: E402
 from fastcache.worker.weights import Forward  # noqa: E402
 
 from conftest import small_spec  # noqa: E402
-from test_cuda_logic import OK, FakeRuntime  # noqa: E402
+from test_cuda_logic import OK, FakeRuntime, install_runtime  # noqa: E402
 
 NOT_READY = FakeRuntime.cudaError_t.cudaErrorNotReady
 
@@ -195,11 +195,7 @@ FAKE = None
 def lazy(monkeypatch):
     global FAKE
     fake = FAKE = LazyRuntime()
-    for module in (cuda_ops, copiers, swap_space, kernels, cuda_events):
-        monkeypatch.setattr(module, "runtime", fake)
-        monkeypatch.setattr(module, "set_device", lambda device_id: None)
-    monkeypatch.setattr(copiers, "device_attribute", lambda device_id, name: 2)
-    monkeypatch.setattr(kernels, "row_kernel", lambda device_id: "copy_rows")
+    install_runtime(monkeypatch, fake)
     yield fake
     fake.abandon()
 

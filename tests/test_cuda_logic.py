@@ -159,15 +159,20 @@ def fake_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_
 FAKE = None     # the fixture's runtime, for fake_launch's call log
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    global FAKE
-    fake = FAKE = FakeRuntime()
+def install_runtime(monkeypatch, fake):
+    """`fake` as the CUDA runtime of every cuda module, on a device that needs no setting."""
     for module in (cuda_ops, copiers, swap_space, kernels, cuda_events):
         monkeypatch.setattr(module, "runtime", fake)
         monkeypatch.setattr(module, "set_device", lambda device_id: None)
     monkeypatch.setattr(copiers, "device_attribute", lambda device_id, name: 2)
     monkeypatch.setattr(kernels, "row_kernel", lambda device_id: "copy_rows")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    global FAKE
+    fake = FAKE = FakeRuntime()
+    install_runtime(monkeypatch, fake)
     monkeypatch.setattr(kernels, "launch_rows", fake_launch)
     return fake
 
