@@ -180,6 +180,20 @@ def test_a_ring_slot_is_not_refilled_while_the_forward_reads_it():
         assert out.tobytes() == reference(3, 0, model_input(1, BATCH, HIDDEN), LAYERS, HIDDEN).tobytes()
 
 
+def test_a_forward_given_a_stream_on_sim_waits_on_the_host_and_reads_the_same_bytes():
+    """The cuda form of the forward (a stream for its waits) runs unchanged on sim: the stream is ignored
+    there, each streamed layer is waited for on the host, the output is the reference bit for bit."""
+    with weights_deployment(weights=MODEL, offload_fraction=0.5) as (backend, (worker,)):
+        weights = loaded(worker, seed=5)
+        x = model_input(2, BATCH, HIDDEN)
+        for stream in (12345, None):
+            handle = backend.stream_weights()
+            with weights.forward(handle.task_id, timeout=30, stream=stream) as f:
+                out = forward(x.copy(), f.layer, LAYERS)
+            handle.result(timeout=30)
+            assert out.tobytes() == reference(5, 0, x, LAYERS, HIDDEN).tobytes(), f"stream {stream}"
+
+
 def test_a_transfer_manager_killed_while_a_forward_waits_fails_the_wait_naming_it(model_deployment, monkeypatch):
     monkeypatch.setenv("FASTCACHE_TRANSFER_TIMEOUT", "2")
     monkeypatch.setenv("FASTCACHE_HEARTBEAT_INTERVAL", "0.2")
