@@ -49,3 +49,28 @@ def test_gpu_blocks_pair_with_chunk_blocks_like_vllm():
     with pytest.raises(ValueError, match="chunks"):
         gpu_to_cpu_blocks([1, 2, 3], [3], [0], chunks=[1], blocks_per_chunk=2)
     assert np.array_equal(gpu_to_cpu_blocks([4], [1], [0], [6], 1)[1], [6])
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_an_entry_is_stamped_only_when_every_rank_wrote_its_stamp(n):
+    """The manager's fail-closed check, on the short path (one or two chunks) and the vectorised one."""
+    from fastcache.config import CacheSpec
+    from fastcache.integrations.vllm.link import ManagerLinks, WorkerLink
+    spec = CacheSpec(num_layers=1, num_gpu_blocks=8, num_cpu_blocks=8, block_size=1, num_kv_heads=1, head_dim=16,
+                     cache_dtype="uint8")
+    engine = f"test-link-{n}"
+    workers = [WorkerLink(engine, r, spec, 8, "ns") for r in range(2)]
+    links = ManagerLinks(engine, 2, wait=1)
+    try:
+        chunks, stamps = list(range(1, n + 1)), [100 + c for c in range(1, n + 1)]
+        assert not links.stamped(chunks, stamps).any()
+        workers[0].stamp(chunks, stamps)
+        assert not links.stamped(chunks, stamps).any(), "one rank's stamp is not enough"
+        workers[1].stamp(chunks[1:], stamps[1:])
+        workers[1].stamp(chunks[:1], [7])                    # a stale stamp on the first chunk
+        assert links.stamped(chunks, stamps).tolist() == [False] + [True] * (n - 1)
+        assert links.stamped(np.asarray(chunks), np.asarray(stamps, np.uint64)).dtype == bool
+    finally:
+        links.close()
+        for w in workers:
+            w.close()
