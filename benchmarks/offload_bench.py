@@ -31,11 +31,12 @@ import importlib.util
 import numpy as np
 
 from fastcache.launch.model import pick_framework
-from fastcache.launch.offload import timed_run
+from fastcache.launch.offload import SHAPES, timed_run
 from fastcache.ops import cuda_usable
 
 FRACTIONS = (0.25, 0.5, 0.75)
-DEFAULTS = {"sim": dict(hidden=1024, batch=64), "cuda": dict(hidden=8192, batch=4096)}
+# cuda: the shape --offload-weights runs (the arithmetic above); sim: larger than its quick check
+DEFAULTS = {"sim": dict(hidden=1024, batch=64), "cuda": {k: SHAPES["cuda"][k] for k in ("hidden", "batch")}}
 
 
 def pick_device(device: str, framework: str | None) -> str:

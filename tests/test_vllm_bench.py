@@ -54,6 +54,22 @@ def test_replay_feeds_both_managers_the_same_keys():
 
 @needs_vllm
 @pytest.mark.vllm
+def test_a_job_prepared_before_a_reset_completes_unlinked():
+    """The warm-up's store may complete after the recorder was reset: it must not complete a later call's."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from fastcache.tools.manager_replay import Recorder, vllm_lru_manager
+    key = [b"k" * 32 + b"\0\0\0\0"]
+    recorder, context = Recorder(vllm_lru_manager(4)), ReqContext(req_id="warm-up")
+    recorder.prepare_store(key, context)
+    recorder.reset()
+    recorder.prepare_store([b"j" * 36], ReqContext(req_id="r"))        # index 0 again, as the warm-up's was
+    recorder.complete_store(key, context)
+    assert recorder.calls[-1][0] == "complete_store" and recorder.calls[-1][4] is None
+
+
+@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_ways_equal_outputs_and_fastcache_hits_what_vllm_evicted(tmp_path):

@@ -29,6 +29,11 @@ class Recorder:
 
     def __init__(self, manager):
         self._manager = manager
+        self.reset()
+
+    def reset(self):
+        """Forget what was kept (a warm-up's calls): a job prepared before completes unlinked, never as a
+        later call's."""
         self.calls = []
         self.step_seconds = [0.0]   # the manager's time in each scheduler step
         self.l3_fetches = 0         # keys a load first fetched from the store (fastcache with L3)

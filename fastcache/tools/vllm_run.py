@@ -87,9 +87,7 @@ def main(argv=None) -> int:
     replay_requests(llm, [[7] * job["block_size"]], 1, 1)
     llm.reset_prefix_cache()
     if recorder is not None:
-        recorder.calls.clear()
-        recorder.step_seconds = [0.0]
-        recorder.l3_fetches = recorder.loaded_keys = 0
+        recorder.reset()
     report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     report["external_hit_tokens"] = metrics.get("vllm:external_prefix_cache_hits") or 0
