@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import itertools
 import mmap
+import threading
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from cuda.bindings import runtime  # noqa: E402
 from fastcache.ipc.naming import new_suffix, segment_name  # noqa: E402
 from fastcache.ipc.shm import SharedSegment  # noqa: E402
 
-from conftest import small_spec  # noqa: E402
+from conftest import small_spec, wait_for  # noqa: E402
 
 OK = runtime.cudaError_t.cudaSuccess
 
@@ -80,6 +81,15 @@ class FakeRuntime:
         self.calls.append("memcpy")
         self.check_pinned(dst if kind == self.cudaMemcpyKind.cudaMemcpyDeviceToHost else src, n)
         ctypes.memmove(dst, src, n)
+        return (OK,)
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        self.calls.append("memcpy2d")
+        to_host = kind == self.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        self.check_pinned(dst if to_host else src, (dpitch if to_host else spitch) * (height - 1) + width)
+        for row in range(height):
+            self.copies.append(width)
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
         return (OK,)
 
     def cudaMemcpy(self, dst, src, n, kind):
@@ -221,8 +231,10 @@ def test_copier_moves_exactly_the_task_rows(fake_cuda, monkeypatch, method, layo
         others = np.setdiff1d(np.arange(spec.num_cpu_blocks), cpu_ids)
         assert np.array_equal(swap.blocks[others], whole[others])
         if method == "staged" and staging_mb == 32 and layout != "draft_layers":
-            # a small task: no upload of the ids, one copy per run of consecutive CPU ids (whole blocks)
-            runs = 1 + np.count_nonzero(np.diff(cpu_ids) != 1)
+            # a small task: no upload of the ids, one copy per run of adjacent CPU blocks (whole blocks)
+            # (a pinned chunk's edge ends a run too)
+            ordered = np.sort(cpu_ids)
+            runs = 1 + np.count_nonzero((np.diff(ordered) != 1) | (ordered[1:] % swap.chunk_blocks == 0))
             assert len(fake_cuda.copies) == runs
             assert sum(fake_cuda.copies) == len(cpu_ids) * spec.cpu_block_stride  # whole blocks with their slots
 
@@ -279,19 +291,19 @@ def test_staged_dma_runs_go_in_one_batch_where_the_driver_has_it(fake_cuda, monk
     """Random CPU ids make a DMA run per block: one cudaMemcpyBatchAsync per chunk on a 12.8+ driver, one
     cudaMemcpyAsync per run before it; the same bytes either way."""
     fake_cuda.driver_version = driver
-    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=30)
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=60)
     monkeypatch.setenv("FASTCACHE_STAGING_MB", str(8 * spec.cpu_block_stride / 2**20))     # 8-block chunks
     rng = np.random.default_rng(driver)
     with fake_copier(spec, seed=driver) as (gpu, swap, copier):
         for size in (6, 30):            # the small path, and four chunks through the staging ring
             gpu_ids = rng.choice(40, size, replace=False)
-            cpu_ids = rng.choice(30, len(gpu_ids), replace=False)
+            cpu_ids = 2 * rng.choice(30, len(gpu_ids), replace=False)      # no two adjacent: a run a block
             fake_cuda.batches, fake_cuda.copies = 0, []
             copier.swap_out(gpu_ids, cpu_ids)
             for info, rows in zip(spec.tensors(), gpu):
                 cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
                 assert np.array_equal(swap.rows[cpu_ids, cols], rows[gpu_ids])
-            runs = 1 + np.count_nonzero(np.diff(cpu_ids) != 1)
+            runs = len(cpu_ids)
             assert (fake_cuda.batches > 0) == (driver >= 12080)
             assert len(fake_cuda.copies) >= runs
             for rows in gpu:
@@ -300,6 +312,38 @@ def test_staged_dma_runs_go_in_one_batch_where_the_driver_has_it(fake_cuda, monk
             for info, rows in zip(spec.tensors(), gpu):
                 cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
                 assert np.array_equal(rows[gpu_ids], swap.rows[cpu_ids, cols])
+
+
+@pytest.mark.parametrize("blocks", [6, 30])     # the small path, and chunks through the staging ring
+def test_staged_copies_adjacent_cpu_blocks_in_one_run_whatever_their_order_in_the_task(fake_cuda, monkeypatch,
+                                                                                          blocks):
+    """A task's CPU ids, shuffled, covering two ranges of adjacent blocks: two DMA runs a chunk (not one a
+    block), and every row where the task's pairing puts it."""
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=40)
+    monkeypatch.setenv("FASTCACHE_STAGING_MB", str(64 * spec.cpu_block_stride / 2**20))    # one chunk
+    rng = np.random.default_rng(blocks)
+    with fake_copier(spec, seed=blocks) as (gpu, swap, copier):
+        cpu_ids = np.r_[2:2 + blocks // 2, 35 - (blocks - blocks // 2):35]
+        order = rng.permutation(blocks)
+        gpu_ids, cpu_ids = rng.choice(40, blocks, replace=False), cpu_ids[order]
+        assert np.count_nonzero(np.diff(cpu_ids) == 1) < blocks // 2       # the task's own order has few runs
+        fake_cuda.copies = []
+        copier.swap_out(gpu_ids, cpu_ids)
+        assert sorted(fake_cuda.copies) == sorted([blocks // 2 * spec.cpu_block_stride,
+                                                    (blocks - blocks // 2) * spec.cpu_block_stride])
+        for info, rows in zip(spec.tensors(), gpu):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            assert np.array_equal(swap.rows[cpu_ids, cols], rows[gpu_ids])
+        dst = rng.choice(40, blocks, replace=False)
+        before = [rows.copy() for rows in gpu]
+        fake_cuda.copies = []
+        copier.swap_in(dst, cpu_ids)
+        assert len(fake_cuda.copies) == 2
+        for info, rows, old in zip(spec.tensors(), gpu, before):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            assert np.array_equal(rows[dst], swap.rows[cpu_ids, cols])
+            others = np.setdiff1d(np.arange(40), dst)
+            assert np.array_equal(rows[others], old[others])
 
 
 def test_copier_refuses_ids_that_would_fault_the_kernel(fake_cuda):
@@ -320,6 +364,37 @@ def test_dma_runs_merge_consecutive_blocks_and_stop_at_partial_ones_and_chunk_ed
     # pinned chunks of 5 blocks: block 5 and block 10 each start a chunk, so a run must stop before them
     assert copiers.dma_runs(ids, full, 100, chunk_blocks=5) == [[0, 4, 100], [1, 5, 200], [3, 9, 100],
                                                                   [4, 10, 100], [5, 2, 100]]
+
+
+def test_an_attach_pauses_the_pinning_and_a_swap_that_waits_overrides_the_pause(fake_cuda, monkeypatch):
+    """The driver serialises cudaHostRegister with the process's other CUDA calls: inside paused() no chunk
+    starts registering (the attach's calls run at once), a swap that needs an unpinned block still gets it,
+    and the rest is pinned once the pause ends."""
+    spec = small_spec(num_cpu_blocks=160)
+    first_chunk = threading.Event()
+    register = fake_cuda.cudaHostRegister
+
+    def gated(ptr, n, flags):
+        first_chunk.wait(10)        # the first chunk stays in progress until the pause has begun
+        return register(ptr, n, flags)
+    monkeypatch.setattr(fake_cuda, "cudaHostRegister", gated)
+    suffix = new_suffix()
+    segment = SharedSegment.create(segment_name(suffix, "swap"), spec.cpu_cache_bytes, suffix)
+    swap = swap_space.CudaSwapSpace(segment, spec, 0, chunk_bytes=mmap.PAGESIZE)     # the smallest chunks
+    try:
+        assert swap.blocks.nbytes >= 4 * swap.chunk_blocks * spec.cpu_block_stride
+        with swap.paused():
+            first_chunk.set()
+            wait_for(lambda: len(fake_cuda.registered) == 1, 10, "the chunk in progress")
+            with pytest.raises(AssertionError):      # no second chunk starts while paused
+                wait_for(lambda: len(fake_cuda.registered) > 1, 0.3, "a chunk during the pause")
+            swap.wait_pinned(2 * swap.chunk_blocks)     # a swap's wait overrides the pause
+            assert swap.pinned_bytes() >= 2 * swap.chunk_blocks * spec.cpu_block_stride
+        swap.wait_pinned()
+        assert swap.pinned_bytes() >= swap.blocks.nbytes
+    finally:
+        swap.close()
+    assert fake_cuda.registered == []
 
 
 @pytest.mark.parametrize("method", copiers.METHODS)

@@ -133,7 +133,8 @@ class TaskChannel:
         if kind == "register":
             self._registered[rank] = True
         elif kind == "done":
-            self._reply_for(header["task_id"], rank, nbytes=header["nbytes"], skipped=header["skipped"])
+            self._reply_for(header["task_id"], rank, nbytes=header["nbytes"], skipped=header["skipped"],
+                            seconds=header["seconds"])
         elif kind == "failed":
             self._reply_for(header["task_id"], rank, header["error"])
         elif kind in ("phase_done", "phase_failed"):

@@ -70,6 +70,7 @@ class TransferHandle(Completion):
         self.kind = kind
         self.nbytes = nbytes                 # bytes over all ranks: asked for, then as the ranks reported them
         self.skipped = 0                     # store puts: objects a full store did not take, most on one rank
+        self.run_seconds = 0.0               # the slowest rank's own time on the task (its copy and checks)
         self._pending = set(ranks)
         self._errors: dict[int, str] = {}
         self._reported = 0
@@ -87,7 +88,7 @@ class TransferHandle(Completion):
         return bool(self._pending)
 
     def rank_finished(self, rank: int, error: str | None = None, nbytes: int = 0, skipped: int = 0,
-                      lost: bool = False):
+                      lost: bool = False, seconds: float = 0.0):
         """Called by the engine's I/O thread with a rank's report, or with lost=True where the engine fails
         the rank itself (its process died or was restarted, or the backend closed)."""
         with self._lock:
@@ -100,6 +101,7 @@ class TransferHandle(Completion):
                     self._lost.add(rank)
             self._reported += nbytes
             self.skipped = max(self.skipped, skipped)
+            self.run_seconds = max(self.run_seconds, seconds)
             if self._pending:
                 return
             if not self._errors:

@@ -13,6 +13,7 @@ may use its slot.
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -57,6 +58,10 @@ class SwapSpace:
         self.segment = segment
         self.blocks = segment.array(np.uint8, (spec.num_cpu_blocks, spec.cpu_block_stride))  # block, then slot
         self.rows = self.blocks[:, :spec.cpu_block_bytes]       # the blocks' bytes (a strided view)
+
+    def paused(self):
+        """A block inside which the device pins none of the tier (on cuda: CudaSwapSpace.paused)."""
+        return contextlib.nullcontext(self)
 
     def close(self):
         self.rows = self.blocks = None

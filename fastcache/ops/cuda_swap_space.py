@@ -2,6 +2,7 @@
 (mapped, portable) in chunks on a background thread (docs/design.md §2)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import threading
@@ -20,7 +21,9 @@ PIN_CHUNK_BYTES = 256 << 20      # cudaHostRegister granularity: ~0.1 s of pinni
 
 class CudaSwapSpace(SwapSpace):
     """The CPU tier, registered (mapped, portable) chunk by chunk on a background thread: start-up does not
-    wait for a large tier, and a swap waits only for the chunks holding its CPU blocks."""
+    wait for a large tier, and a swap waits only for the chunks holding its CPU blocks. The driver serialises
+    cudaHostRegister with the process's other CUDA calls, so an attach pauses the pinning (paused()) rather
+    than queue behind it chunk after chunk."""
 
     def __init__(self, segment: SharedSegment, spec: CacheSpec, device_id: int, chunk_bytes: int = PIN_CHUNK_BYTES):
         super().__init__(segment, spec)
@@ -44,6 +47,8 @@ class CudaSwapSpace(SwapSpace):
         self._mapping_delta = set()              # device address minus host address, per chunk
         self._error = None
         self._closing = False
+        self._pauses = 0                         # paused() blocks in progress
+        self._waiters = 0                        # wait_pinned() calls in progress: they override a pause
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._pin, name="fastcache-pin", daemon=True)
         self._thread.start()
@@ -55,6 +60,8 @@ class CudaSwapSpace(SwapSpace):
             set_device(self.device_id)
             for k, (addr, size) in enumerate(self._chunks):
                 with self._cond:
+                    while self._pauses and not self._waiters and not self._closing:
+                        self._cond.wait()
                     if self._closing:
                         return
                 cuda_check(runtime.cudaHostRegister(addr, size, flags), f"cudaHostRegister({size} bytes)")
@@ -77,12 +84,33 @@ class CudaSwapSpace(SwapSpace):
         if self._pinned_end >= end:          # the common case, without the lock
             return
         with self._cond:
-            while self._pinned_end < end and self._error is None and not self._closing:
-                self._cond.wait()
+            self._waiters += 1
+            self._cond.notify_all()
+            try:
+                while self._pinned_end < end and self._error is None and not self._closing:
+                    self._cond.wait()
+            finally:
+                self._waiters -= 1
             if self._error is not None:
                 raise TransferError(f"pinning the swap space failed: {self._error}")
             if self._closing:
                 raise TransferError("the swap space is closed")
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No chunk starts registering inside the block (one in progress finishes first), unless a swap
+        waits for one: an attach's CUDA calls then run at once instead of after the whole tier is pinned."""
+        with self._cond:
+            self._pauses += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._pauses -= 1
+                self._cond.notify_all()
+
+    def pinned_bytes(self) -> int:
+        return self._pinned_end - self.host_ptr
 
     def mapped_ptr(self) -> int:
         """Device address of the tier's first block (the kernel method reads and writes it directly)."""

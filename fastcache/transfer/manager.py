@@ -173,17 +173,19 @@ class TransferManager:
                 raise
             self.signals.swap_space_ready[self.rank] = 1
         if self.cache is None and self.signals.cache_ready[self.rank] == 1:
-            try:
-                self.cache = self.ops.attach(read_manifest(self.suffix, self.rank), self.infos, self.suffix)
-            except (SegmentError, ValueError) as exc:
-                log.debug("rank %d: cache not attachable yet: %s", self.rank, exc)
-                return
-            self.attaches_tried += 1
-            if self.attaches_tried == self.fail_attach:
-                raise TransferError(f"injected attach fault (FASTCACHE_FAIL_ATTACH) on attach {self.attaches_tried}")
-            self.copier = self.ops.copier(self.cache, self.swap, self.spec)
-            self._export_layer_events()
-            log.info("rank %d: attached %d tensors", self.rank, len(self.infos))
+            began = time.perf_counter()
+            with self.swap.paused():        # cuda: pinning the tier would hold these calls up chunk by chunk
+                try:
+                    self.cache = self.ops.attach(read_manifest(self.suffix, self.rank), self.infos, self.suffix)
+                except (SegmentError, ValueError) as exc:
+                    log.debug("rank %d: cache not attachable yet: %s", self.rank, exc)
+                    return
+                self.attaches_tried += 1
+                if self.attaches_tried == self.fail_attach:
+                    raise TransferError(f"injected attach fault (FASTCACHE_FAIL_ATTACH) on attach {self.attaches_tried}")
+                self.copier = self.ops.copier(self.cache, self.swap, self.spec)
+                self._export_layer_events()
+            log.info("rank %d: attached %d tensors in %.3f s", self.rank, len(self.infos), time.perf_counter() - began)
             if self.phase == "running":
                 self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0)
 
