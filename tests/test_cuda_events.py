@@ -566,3 +566,29 @@ def test_the_ring_refills_a_slot_only_after_the_workers_stream_is_done_with_it(l
         group.detach(region=True)
         copier.close()
         region.close()
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_staged_chunks_split_over_two_copy_streams_land_whole_both_ways(lazy, monkeypatch, greedy):
+    """A staged task of many chunks through the ring, each chunk's runs split over two copy streams: a chunk
+    counts as copied only once both halves are (on the lazy runtime, a half nobody waits for never runs), and
+    a slot is refilled only after it was drained. Every byte checked, each way."""
+    lazy.driver_version, lazy.greedy = 12080, greedy
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=64)
+    monkeypatch.setenv("FASTCACHE_STAGING_MB", str(4 * spec.cpu_block_stride / 2**20))     # 4-block chunks
+    rng = np.random.default_rng(3)
+    with rig(spec, "staged", seed=3) as (gpu, swap, copier):
+        gpu_ids = rng.choice(40, 30, replace=False)
+        cpu_ids = 2 * rng.choice(32, 30, replace=False)          # none adjacent: a run a block, both streams busy
+        copier.swap_in(gpu_ids, cpu_ids)
+        for info, rows in zip(spec.tensors(), gpu):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            assert np.array_equal(rows[gpu_ids], swap.rows[cpu_ids, cols]), info.name
+        back = cpu_ids + 1                                       # the odd blocks, untouched so far
+        tier = swap.blocks.copy()
+        copier.swap_out(gpu_ids, back)
+        for info, rows in zip(spec.tensors(), gpu):
+            cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+            assert np.array_equal(swap.rows[back, cols], rows[gpu_ids]), info.name
+        others = np.setdiff1d(np.arange(spec.num_cpu_blocks), back)
+        assert np.array_equal(swap.blocks[others], tier[others])

@@ -128,6 +128,10 @@ class DeviceOps(ABC):
         """Free device memory in bytes (cudaMemGetInfo); None where the device has no memory of its own."""
         return None
 
+    def release_device(self, device_id: int):
+        """For a process that owns its device context alone (a transfer manager) and is done with it: the
+        context's resources go now, not whenever the process ends."""
+
     # reshard (docs/design.md §9)
     @abstractmethod
     def reshard_staging(self, nbytes: int, suffix: str, rank: int, framework: str, device_id: int):

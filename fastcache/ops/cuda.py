@@ -143,6 +143,12 @@ class CudaOps(DeviceOps):
         free, _total = cuda_check(runtime.cudaMemGetInfo(), "cudaMemGetInfo")
         return int(free)
 
+    def release_device(self, device_id):
+        # the driver keeps a /dev/shm file per process that exported interprocess events (cuda.shm.*) until
+        # the context is destroyed, and an exiting process does not destroy its primary context
+        set_device(device_id)
+        cuda_check(runtime.cudaDeviceReset(), "cudaDeviceReset")
+
     def copier(self, cache, swap, spec):
         return make_copier(Settings.from_env().copy_method, cache, swap, spec)
 

@@ -28,6 +28,7 @@ from .cuda_kernels import Lane, RowKernel, cuda_check, device_attribute, memcpy_
 
 STAGING_RING = 2                 # staging buffers per direction: one filling while the other drains
 SMALL_TASK_IDS = 64              # staged tasks of at most this many blocks take the one-stream path
+DMA_STREAMS = 2                  # staged: copy streams a chunk's runs are spread over (1 or 2)
 
 
 class _CudaCopier(Copier):
@@ -240,22 +241,33 @@ class StagedCopier(_CudaCopier):
     def _gather(self, lane, slot, reused, ids, cpu, lengths):
         stage = lane.slots[slot].ptr
         if reused:      # its previous chunk must have left for the host
-            cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
+            stream_wait(lane.stream, lane.drained[slot])
         self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, True)
-        cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.stream), "cudaEventRecord")
-        cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
-        self._dma(stage, dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks), True, lane.dma_stream)
-        cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.dma_stream), "cudaEventRecord")
+        record(lane.filled[slot], lane.stream)
+        self._dma_both(lane, slot, stage, dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks), True,
+                       after=lane.filled[slot], done=lane.drained[slot])
 
     def _scatter(self, lane, slot, reused, ids, cpu, lengths):
         stage = lane.slots[slot].ptr
-        if reused:      # its previous chunk must have been scattered
-            cuda_check(runtime.cudaStreamWaitEvent(lane.dma_stream, lane.drained[slot], 0), "cudaStreamWaitEvent")
-        self._dma(stage, dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks), False, lane.dma_stream)
-        cuda_check(runtime.cudaEventRecord(lane.filled[slot], lane.dma_stream), "cudaEventRecord")
-        cuda_check(runtime.cudaStreamWaitEvent(lane.stream, lane.filled[slot], 0), "cudaStreamWaitEvent")
+        self._dma_both(lane, slot, stage, dma_runs(cpu, lengths, self.stride, self.swap.chunk_blocks), False,
+                       after=lane.drained[slot] if reused else None, done=lane.filled[slot])
+        stream_wait(lane.stream, lane.filled[slot])
         self._kernel.launch(lane.stream, self._grid, ids, 0, len(cpu), stage, self.stride, False)
-        cuda_check(runtime.cudaEventRecord(lane.drained[slot], lane.stream), "cudaEventRecord")
+        record(lane.drained[slot], lane.stream)
+
+    def _dma_both(self, lane, slot, stage, runs, to_host, after, done):
+        """A chunk's runs over the lane's two copy streams, each half behind `after`; `done` recorded on the
+        first stream once both halves are (the second's joined event), so one wait covers the chunk."""
+        half = len(runs) // 2 if DMA_STREAMS > 1 else 0
+        streams = (lane.dma_stream, lane.dma_stream2) if half else (lane.dma_stream,)
+        for stream, part in zip(streams, (runs[half:], runs[:half])):
+            if after is not None:
+                stream_wait(stream, after)
+            self._dma(stage, part, to_host, stream)
+        if half:
+            record(lane.joined[slot], lane.dma_stream2)
+            stream_wait(lane.dma_stream, lane.joined[slot])
+        record(done, lane.dma_stream)
 
     def _run_layers(self, lane, gpu, cpu, published, events, recorded):
         """Layer by layer through the staging ring. A layer's tensors sit side by side in a CPU block, so its

@@ -162,9 +162,13 @@ class Lane:
         self.lock = threading.Lock()
         self.stream = create_stream()                          # kernels, or every copy of a plain lane
         self.dma_stream = create_stream() if ring else None    # staged: bulk copies beside the kernels
+        # staged: a second copy stream takes half of a chunk's runs, so that one copy engine's pause between
+        # runs is the other's transfer (8 KiB rows: 85-94% of the bulk rate on one stream, 94-106% on two)
+        self.dma_stream2 = create_stream() if ring else None
         self.slots = [DeviceBuffer(slot_bytes) for _ in range(ring)]
         self.filled = [create_event() for _ in range(ring)]    # slot written (by gather or H2D)
         self.drained = [create_event() for _ in range(ring)]   # slot consumed (by D2H or scatter)
+        self.joined = [create_event() for _ in range(ring)]    # the second copy stream's half of a slot done
         self._ids = DeviceBuffer(0)
         self._host_ids = HostBuffer(8 * host_ids)              # small tasks: ids the kernel reads in place
         self._host_id_slots = (ctypes.c_longlong * host_ids).from_address(self._host_ids.ptr) if host_ids else None
@@ -187,7 +191,7 @@ class Lane:
         return [self._ids.ptr + int(off) for off in offsets]
 
     def sync(self):
-        for stream in (self.stream, self.dma_stream):
+        for stream in (self.stream, self.dma_stream, self.dma_stream2):
             if stream is not None:
                 cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
@@ -199,9 +203,9 @@ class Lane:
         self._host_id_slots = None
         for buf in [*self.slots, self._ids, self._host_ids]:
             buf.close()
-        for event in [*self.filled, *self.drained]:
+        for event in [*self.filled, *self.drained, *self.joined]:
             cuda_check(runtime.cudaEventDestroy(event), "cudaEventDestroy")
-        for stream in (self.stream, self.dma_stream):
+        for stream in (self.stream, self.dma_stream, self.dma_stream2):
             if stream is not None:
                 cuda_check(runtime.cudaStreamDestroy(stream), "cudaStreamDestroy")
 

@@ -359,6 +359,7 @@ class TransferManager:
             if task.group == protocol.WEIGHTS:
                 self.weights.run(task)
             elif task.kind == protocol.SWAP_TO_CPU:
+                gated()
                 self.copier.swap_out(task.gpu_ids, task.cpu_ids)
             elif task.kind == protocol.SWAP_TO_GPU and task.layerwise:
                 self._swap_in_layers(task)
@@ -406,6 +407,7 @@ class TransferManager:
         if self.weights is not None:
             self.weights.detach(region=True)
         self._close_layer_events()
+        self.ops.release_device(self.device_id)     # after every CUDA object of this process is gone
         if self.l3 is not None:
             self.l3.close()
         self.sock.close(0)
@@ -440,3 +442,13 @@ def paced(published):
         published(layer)
         time.sleep(seconds)
     return slow
+
+
+TEST_SWAP_OUT_GATE = "FASTCACHE_TEST_SWAP_OUT_GATE"     # PATH, tests only: a swap-out starts once the file exists
+
+
+def gated():
+    """In tests: hold a swap-out until the test opens the gate, so that tasks behind it are held for sure."""
+    path = os.environ.get(TEST_SWAP_OUT_GATE)
+    while path and not os.path.exists(path):
+        time.sleep(0.001)
