@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import deployment, round_trip, small_spec, wait_for
+from conftest import cpu_image, deployment, randomize, round_trip, small_spec, wait_for
 from fastcache import TransferError
 from fastcache.ipc import protocol
 from fastcache.ipc.queue import (MAC_BYTES, SEQ, TO_RANK, mac, rank_identity, read_token, reply_endpoint, signed,
@@ -32,7 +32,10 @@ def test_a_thief_on_a_task_pipe_makes_its_tasks_fail_in_time_and_cannot_forge_th
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     rng = np.random.default_rng(40)
     spec = small_spec(num_gpu_blocks=32, num_cpu_blocks=32)
-    with deployment(spec, tp=2) as (backend, workers):
+    with deployment(spec, tp=2) as (backend, workers), PipeWatch(backend, 0) as pipe:
+        for w in workers:
+            randomize(w, rng)
+        want = [cpu_image(w, np.arange(8)) for w in workers]
         context = zmq.Context()
         thief = context.socket(zmq.PULL)
         thief.connect(task_endpoint(backend.socket_dir, 0, 0))
@@ -40,7 +43,7 @@ def test_a_thief_on_a_task_pipe_makes_its_tasks_fail_in_time_and_cannot_forge_th
         forger.setsockopt(zmq.IDENTITY, rank_identity(0, backend.transfer_pids[0]))    # rank 0's own identity
         forger.connect(reply_endpoint(backend.socket_dir))
         try:
-            time.sleep(0.3)                          # the thief's pipe is up: the engine's PUSH now alternates
+            pipe.wait(zmq.EVENT_HANDSHAKE_SUCCEEDED)     # the thief's pipe is up: the engine's PUSH now alternates
             began = time.monotonic()
             handles = [backend.swap_out([i], [i]) for i in range(8)]
             stolen = []
@@ -66,13 +69,85 @@ def test_a_thief_on_a_task_pipe_makes_its_tasks_fail_in_time_and_cannot_forge_th
             assert all("rank 0:" in o and ("task pipe" in o or "never arrived" in o) for o in failed), failed
             assert time.monotonic() - began < TIMEOUT + 10, "a stolen task did not fail within the transfer timeout"
             assert any("task pipe" in r.getMessage() for r in caplog.records)       # the engine says why
+            for rank in range(2):                    # what a rank did, it did right; rank 1 did every task
+                for i, outcome in enumerate(outcomes):
+                    if outcome is None or rank == 1:
+                        np.testing.assert_array_equal(backend.cpu_tier(rank)[i], want[rank][i], f"rank {rank} {i}")
         finally:
             thief.close(0)
             forger.close(0)
             context.term()
-        time.sleep(0.3)
+        pipe.wait(zmq.EVENT_DISCONNECTED)            # the engine's PUSH deals to the thief no more
         round_trip(backend, workers, rng)            # both ranks still serve, every byte checked
         assert backend.status == 0
+
+
+def test_a_stolen_layer_by_layer_swap_in_fails_the_worker_s_wait_on_that_rank_in_time(short_timeout):
+    """The engine fails a stolen task on the rank it never reached: a worker waiting there by task id raises
+    then too, naming the rank, instead of waiting out its own timeout."""
+    rng = np.random.default_rng(41)
+    spec = small_spec(num_gpu_blocks=32, num_cpu_blocks=32)
+    with deployment(spec, tp=2) as (backend, workers), PipeWatch(backend, 0) as pipe:
+        for r, w in enumerate(workers):
+            randomize(w, rng)
+            backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
+        context = zmq.Context()
+        thief = context.socket(zmq.PULL)
+        thief.connect(task_endpoint(backend.socket_dir, 0, 0))
+        try:
+            pipe.wait(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            handles, stolen = {}, []
+            for i in range(8):                      # the pipe deals every other one to the thief
+                h = backend.swap_in([i], [i], layerwise=True)
+                handles[h.task_id] = h
+            wait_for(lambda: _take(thief, stolen) >= 1, 10, "a task on the thief's pipe")
+            task_id = json.loads(stolen[0][2])["task_id"]
+            began = time.monotonic()
+            with pytest.raises(TransferError, match="rank 0"):
+                workers[0].wait_layer(task_id, spec.num_layers - 1, timeout=TIMEOUT + 30)
+            assert time.monotonic() - began < TIMEOUT + 10, "the worker waited out its own timeout"
+            workers[1].wait_layer(task_id, spec.num_layers - 1, timeout=30)     # rank 1 got it and did it
+            i = sorted(handles).index(task_id)
+            np.testing.assert_array_equal(cpu_image(workers[1], [i]), backend.cpu_tier(1)[[i]])
+            for h in handles.values():
+                try:
+                    h.result(timeout=TIMEOUT + 10)
+                except TransferError:
+                    pass
+        finally:
+            thief.close(0)
+            context.term()
+        pipe.wait(zmq.EVENT_DISCONNECTED)
+        round_trip(backend, workers, rng)
+
+
+class PipeWatch:
+    """Events of the engine's task socket for a rank (a zmq monitor), to wait for a peer's pipe to come or go."""
+
+    def __init__(self, backend, rank):
+        self.backend, self.rank = backend, rank
+        with backend._submit_lock:          # the socket's own users hold this lock
+            self.events = backend._task_pushes[rank].get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+
+    def wait(self, event, timeout=10):
+        from zmq.utils.monitor import recv_monitor_message
+        deadline = time.monotonic() + timeout
+        while self.events.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if recv_monitor_message(self.events)["event"] == event:
+                return
+        raise AssertionError(f"no zmq event {event} on rank {self.rank}'s task socket within {timeout} s")
+
+    def close(self):
+        with self.backend._submit_lock:
+            self.backend._task_pushes[self.rank].disable_monitor()
+        self.events.close(0)        # else the engine's context.term() would wait for it forever
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _take(sock, into) -> int:

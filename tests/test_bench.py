@@ -109,10 +109,12 @@ def test_report_prints_medians_spread_and_verdicts(capsys):
                                      "beside_gemm": {"swap": fig(45), "gemm": fig(680)},
                                      "wrong_tensors": {"out": [], "in": []}}},
               "e2e": {"d2h": fig(50), "h2d": fig(49), "wrong_tensors": {"out": [], "in": []},
-                      "one_block_us": {"out": {"p50": 120, "p99": 300, "tasks": 300},
-                                       "in": {"p50": 110, "p99": 280, "tasks": 300}, "wrong_tensors": []}}}
+                      "one_block_us": {"out": {"p50": 120, "p99": 300, "tasks": 300, "run_p50": 41},
+                                       "in": {"p50": 110, "p99": 280, "tasks": 300, "run_p50": 39},
+                                       "wrong_tensors": []}}}
     bench.print_report("H100", [result])
     out = capsys.readouterr().out
     assert "53.0  96% (52.0-54.0)" in out and "verified" in out
     assert "GEMM  680 TFLOP/s  97%" in out and " 90% of bulk" in out
     assert "out p50 120 us p99 300 us" in out and "every swap verified" in out
+    assert "own run p50 41 / 39 us" in out

@@ -10,7 +10,8 @@ from fastcache import RefusedError, SwapBackend, TransferError
 from fastcache.ipc.signal import CLEARED, CLEARING, NORMAL
 from fastcache.launch.harness import shm_bytes, start_workers, stop_workers
 
-from conftest import all_tensors, deployment, randomize, round_trip, small_spec
+from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec, wait_for
+from test_swap import LAYOUTS, check_round_trip
 
 
 def cache_segments(suffix):
@@ -94,32 +95,63 @@ def test_clear_waits_for_swaps_in_flight():
 
 
 def test_swaps_racing_a_clear_either_finish_or_are_refused():
+    """Swaps run while a clear starts: each one either finishes with its bytes in the CPU tier or is refused
+    with the tier's bytes untouched. The clear starts once some have finished, the hammer stops once some
+    were refused (conditions, not pauses)."""
     rng = np.random.default_rng(5)
     with deployment(small_spec(num_gpu_blocks=64, num_cpu_blocks=64), tp=2) as (backend, workers):
-        outcomes = {"done": 0, "refused": 0}
+        for r, w in enumerate(workers):
+            randomize(w, rng)
+            backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
+        want = [cpu_image(w, np.arange(64)) for w in workers]
+        tier_before = [backend.cpu_tier(r).copy() for r in range(2)]
+        done, refused, errors = set(), [], []
         stop = threading.Event()
 
         def hammer():
             i = 0
             while not stop.is_set():
+                block = i % 64
                 try:
-                    backend.swap_out([i % 64], [i % 64]).result(timeout=20)
-                    outcomes["done"] += 1
+                    backend.swap_out([block], [block]).result(timeout=20)
+                    done.add(block)
                 except TransferError as exc:
-                    assert "kv_cache_status" in str(exc)
-                    outcomes["refused"] += 1
+                    if "kv_cache_status" not in str(exc):
+                        errors.append(exc)
+                    refused.append(block)
                 i += 1
 
         thread = threading.Thread(target=hammer)
         thread.start()
-        time.sleep(0.2)
-        backend.clear_caches(timeout=30)
-        time.sleep(0.1)
-        stop.set()
-        thread.join()
-        assert outcomes["done"] > 0 and outcomes["refused"] > 0
+        try:
+            wait_for(lambda: len(done) >= 3, 30, "three swaps done before the clear")
+            backend.clear_caches(timeout=30)
+            wait_for(lambda: refused, 30, "a swap refused after the clear")
+        finally:
+            stop.set()
+            thread.join()
+        assert not errors, errors
+        for r in range(2):
+            tier = backend.cpu_tier(r)
+            for block in range(64):
+                if block in done:
+                    np.testing.assert_array_equal(tier[block], want[r][block], f"rank {r} block {block}")
+                else:
+                    np.testing.assert_array_equal(tier[block], tier_before[r][block], f"rank {r} block {block}")
         backend.restore_caches(timeout=30)
         round_trip(backend, workers, rng)
+
+
+@pytest.mark.parametrize("layout", ["4k_rows", "8k_rows_fp8_scales"])
+def test_clear_restore_cycles_over_rows_moved_run_by_run(layout):
+    """Rows of 4 KiB and more take the sim copier's run-by-run path: every byte checked around each cycle."""
+    rng = np.random.default_rng(6)
+    with deployment(small_spec(**LAYOUTS[layout]), tp=2) as (backend, workers):
+        for _ in range(3):
+            check_round_trip(backend, workers, rng)
+            backend.clear_caches(timeout=30)
+            backend.restore_caches(timeout=30)
+        check_round_trip(backend, workers, rng)
 
 
 def test_restore_waits_for_a_slow_worker(monkeypatch):

@@ -234,7 +234,7 @@ def test_sigkill_of_a_worker_process_makes_its_transfer_manager_exit_and_the_eng
         # the only leftovers whose creator is dead are the killed worker's; close() removes them too
         stale = [name for _kind, name, _pid in find_stale(suffix)]
         backend.close()
-    assert all(f"cache_rank{victim}" in e or f"exports_rank{victim}" in e for e in stale), stale
+    assert all(any(f"{what}_rank{victim}" in e for what in ("cache", "exports", "worker")) for e in stale), stale
     assert not deployment_entries(suffix)
 
 
@@ -366,7 +366,7 @@ def test_sigkill_of_the_engine_children_exit_on_their_own_and_cleanup_removes_on
 
         # the workers released their own memory; what is left is the dead engine's
         left = deployment_entries(info["suffix"])
-        assert left and not any("cache_rank" in e or "exports_rank" in e for e in left), left
+        assert left and not any(what in e for e in left for what in ("cache_rank", "exports_rank", "worker_rank")), left
         assert os.path.isdir(info["socket_dir"])
 
         out = subprocess.run([sys.executable, "-m", "fastcache.tools.cleanup"], cwd=ROOT, env=env,
@@ -498,8 +498,11 @@ def test_a_task_failed_by_a_restart_before_it_was_sent_never_runs_on_the_new_pro
         handle = backend.swap_out([3, 5, 7, 9], cpu)
         with pytest.raises(TransferError, match="restarted"):
             handle.result(timeout=10)
-        time.sleep(0.5)                 # a copy the new process was given would have landed by now
+        # a fence: a swap-in reading the same CPU blocks runs after any task the new process was given on
+        # them (tasks on common blocks take effect in submission order), so a late copy has landed by its end
+        backend.swap_in([11, 13, 15, 17], cpu).result(timeout=30)
         np.testing.assert_array_equal(backend.cpu_tier(1)[cpu], poison)
+        np.testing.assert_array_equal(cpu_image(workers[1], [11, 13, 15, 17]), poison)
         round_trip(backend, workers, rng)
 
 

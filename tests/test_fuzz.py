@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from fastcache.ipc import protocol
 from fastcache.ipc.protocol import ProtocolError
 from fastcache.ipc.queue import reply_endpoint
 
-from conftest import deployment, round_trip, small_spec, wait_for
+from conftest import all_tensors, deployment, round_trip, small_spec, wait_for
 
 LIVE = settings(max_examples=50, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -174,6 +173,12 @@ def dealer(context, identity=None):
     return sock
 
 
+def engine_read(backend, before, sent):
+    """Until the engine's I/O thread has taken `sent` more messages off its reply socket than `before` (each
+    junk message is read, and dropped, by then)."""
+    wait_for(lambda: backend.replies_read - before >= sent, 30, f"the engine reading {sent} messages")
+
+
 def send_as_peer(backend, identity, frames):
     """Connect a peer of our own to the engine's reply socket, send one message, and leave."""
     context = zmq.Context()
@@ -267,7 +272,8 @@ def send_signed(backend, rank, frames):
 def test_live_transfer_managers_survive_malformed_task_messages(caplog):
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     rng = np.random.default_rng(21)
-    with deployment(small_spec(), tp=2) as (backend, workers):
+    # rows of 4 KiB, 24 GPU and 16 CPU blocks: the mutated tasks that stay valid run, run by run
+    with deployment(small_spec(block_size=16, num_kv_heads=2, head_dim=64), tp=2) as (backend, workers):
         pids = backend.transfer_pids
         round_trip(backend, workers, rng)
         rejected_by = set()
@@ -296,6 +302,63 @@ def test_live_transfer_managers_survive_malformed_task_messages(caplog):
         assert backend.transfer_pids == pids
 
 
+# rows of 4 KiB: the sim copier moves them run by run (ops/sim.py RUN_MIN_ROW_BYTES), shorter rows in chunks
+RUN_SPEC = small_spec(block_size=16, num_kv_heads=2, head_dim=64, num_gpu_blocks=32, num_cpu_blocks=32)
+
+
+@st.composite
+def swaps(draw):
+    """(direction, GPU ids, CPU ids): distinct ids on each side, often with runs that count up on both sides
+    (what the run-by-run path moves in one call), in any order."""
+    n = draw(st.integers(1, 12))
+    if draw(st.booleans()):                     # one or two runs, then random ids
+        g0, c0 = draw(st.integers(0, 32 - n)), draw(st.integers(0, 32 - n))
+        cut = draw(st.integers(0, n))
+        gpu, cpu = list(range(g0, g0 + n)), list(range(c0, c0 + n))
+        tail = draw(st.permutations(list(range(cut, n))))
+        gpu = gpu[:cut] + [gpu[i] for i in tail]
+        cpu = cpu[:cut] + [cpu[i] for i in tail]
+    else:
+        gpu = draw(st.lists(st.integers(0, 31), min_size=n, max_size=n, unique=True))
+        cpu = draw(st.lists(st.integers(0, 31), min_size=n, max_size=n, unique=True))
+    return draw(st.sampled_from(["out", "in"])), gpu, cpu
+
+
+def test_live_swaps_over_rows_moved_run_by_run_match_a_model_of_every_byte():
+    """Random swap sequences, runs and all, on rows of 4 KiB: after each swap every GPU and CPU byte of every
+    rank is what a plain row-by-row model of the swap says."""
+    rng = np.random.default_rng(28)
+    with deployment(RUN_SPEC, tp=2) as (backend, workers):
+        for r, w in enumerate(workers):
+            for rows in all_tensors(w):
+                rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+            backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
+        infos = RUN_SPEC.tensors()
+        assert infos[0].block_bytes >= 4096
+
+        @LIVE
+        @given(swap=swaps())
+        def run(swap):
+            direction, gpu, cpu = swap
+            model = [([rows.copy() for rows in all_tensors(w)], backend.cpu_tier(r).copy())
+                     for r, w in enumerate(workers)]
+            for tensors, tier in model:
+                for info, rows in zip(infos, tensors):
+                    cols = slice(info.cpu_offset, info.cpu_offset + info.block_bytes)
+                    for g, c in zip(gpu, cpu):
+                        if direction == "out":
+                            tier[c, cols] = rows[g]
+                        else:
+                            rows[g] = tier[c, cols]
+            (backend.swap_out if direction == "out" else backend.swap_in)(gpu, cpu).result(timeout=30)
+            for r, (w, (tensors, tier)) in enumerate(zip(workers, model)):
+                np.testing.assert_array_equal(backend.cpu_tier(r), tier, f"rank {r} CPU tier")
+                for info, rows, want in zip(infos, all_tensors(w), tensors):
+                    np.testing.assert_array_equal(rows, want, f"rank {r} {info.name}")
+
+        run()
+
+
 def test_a_repeated_malformed_task_message_is_logged_once_by_the_engine(caplog):
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     rng = np.random.default_rng(22)
@@ -321,6 +384,7 @@ def test_engine_reply_socket_survives_junk_peers(caplog):
     with deployment(small_spec(), tp=2) as (backend, workers):
         pids = backend.transfer_pids
         context = zmq.Context()
+        read, sent, seen = backend.replies_read, [0], set()
         try:
             @LIVE
             @given(identity=st.none() | identities, frames=messages())
@@ -331,12 +395,14 @@ def test_engine_reply_socket_survives_junk_peers(caplog):
                 sock.connect(reply_endpoint(backend.socket_dir))
                 sock.send_multipart(frames)
                 sock.close()
+                if identity is None or identity not in seen:    # zmq may refuse a peer whose identity is taken
+                    sent[0] += 1
+                    seen.add(identity)
 
             throw()
         finally:
             context.term()          # returns once every junk frame has been handed to the engine's socket
-        wait_for(lambda: engine_records(caplog), 10, "the engine noticed the junk")
-        time.sleep(0.3)             # and has read the rest of it
+        engine_read(backend, read, sent[0])
         assert backend._io_thread.is_alive()
         round_trip(backend, workers, rng)
         assert backend.transfer_pids == pids
@@ -351,6 +417,7 @@ def test_engine_survives_malformed_replies_from_rank_identities_and_logs_once(ca
     rng = np.random.default_rng(24)
     with deployment(small_spec(), tp=2) as (backend, workers):
         pids = backend.transfer_pids
+        read = backend.replies_read
         context = zmq.Context()
         socks = {0: dealer(context, b"rank00"), 1: dealer(context, b"rank001")}
         try:
@@ -374,8 +441,7 @@ def test_engine_survives_malformed_replies_from_rank_identities_and_logs_once(ca
             for sock in socks.values():
                 sock.close()
             context.term()          # returns once every frame has been handed to the engine's socket
-        wait_for(lambda: engine_records(caplog), 10, "the engine noticed the junk")
-        time.sleep(0.3)
+        engine_read(backend, read, sum(sent.values()))
         round_trip(backend, workers, rng)
         assert backend._io_thread.is_alive() and backend.transfer_pids == pids
         records = engine_records(caplog)
@@ -424,8 +490,9 @@ def test_transfer_manager_survives_a_deeply_nested_task_message():
 def test_engine_survives_a_peer_that_once_killed_its_reply_thread(identity, frames):
     rng = np.random.default_rng(27)
     with deployment(small_spec(), tp=1) as (backend, workers):
+        read = backend.replies_read
         send_as_peer(backend, identity, frames)
-        time.sleep(0.3)
+        engine_read(backend, read, 1)
         assert backend._io_thread.is_alive()
         round_trip(backend, workers, rng)
 
@@ -433,8 +500,9 @@ def test_engine_survives_a_peer_that_once_killed_its_reply_thread(identity, fram
 def test_a_peer_reusing_a_rank_identity_cannot_steal_that_ranks_replies():
     rng = np.random.default_rng(29)
     with deployment(small_spec(), tp=1) as (backend, workers):
+        read = backend.replies_read
         send_as_peer(backend, b"rank0", [b"junk"])
-        time.sleep(0.3)
+        engine_read(backend, read, 1)
         try:
             backend.swap_out([1, 2], [3, 4]).result(timeout=3)
         except TimeoutError as exc:
@@ -446,6 +514,7 @@ def test_many_distinct_junk_peers_are_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     rng = np.random.default_rng(30)
     with deployment(small_spec(), tp=1) as (backend, workers):
+        read = backend.replies_read
         context = zmq.Context()
         try:
             for i in range(30):
@@ -455,7 +524,7 @@ def test_many_distinct_junk_peers_are_logged_once(caplog):
                 sock.close()
         finally:
             context.term()
-        time.sleep(0.5)
+        engine_read(backend, read, 30)
         round_trip(backend, workers, rng)
         lines = [r for r in engine_records(caplog) if "unknown peer" in r.getMessage()]
         assert 1 <= len(lines) <= 2, len(lines)

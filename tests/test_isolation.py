@@ -15,7 +15,8 @@ import numpy as np
 import psutil
 import pytest
 
-from fastcache import SwapBackend
+from fastcache import SwapBackend, TransferError
+from fastcache.worker import CacheWorker
 from fastcache.ipc.naming import PREFIX, barrier_name, new_suffix, segment_name, signal_name, swap_space_name
 from fastcache.ipc.shm import SHM_DIR, SegmentError, SharedSegment
 from fastcache.worker import CacheWorker
@@ -199,6 +200,33 @@ def test_a_deployment_whose_suffix_collides_fails_clearly_and_leaves_nothing(tak
         backend.close()         # harmless after the failed start
         assert entries(suffix) == [name.lstrip("/")]
     assert not entries(suffix)
+
+
+def test_a_second_engine_or_worker_for_a_live_deployment_is_refused_and_takes_nothing_from_it():
+    """In one process (vLLM's layout): a SwapBackend on a live deployment's suffix is refused and leaves its
+    in-process workers running; a second CacheWorker for a live rank is refused before it touches anything."""
+    rng = np.random.default_rng(36)
+    spec = small_spec()
+    with deployment(spec, tp=2) as (backend, workers):
+        before = entries(backend.suffix)
+        second = SwapBackend(spec, tp_size=2, device="sim", suffix=backend.suffix)
+        with pytest.raises(SegmentError, match="already exists"):
+            second.start()
+        second.close()
+        assert all(w.ready for w in workers) and entries(backend.suffix) == before
+        round_trip(backend, workers, rng)
+        for rank in range(2):
+            with pytest.raises(TransferError, match=f"rank {rank} of deployment .* has a live worker already"):
+                CacheWorker(spec, rank=rank, tp_size=2, device="sim", suffix=backend.suffix).start()
+        assert all(w.ready for w in workers) and entries(backend.suffix) == before
+        assert list(backend.signals.cache_ready) == [1, 1]
+        round_trip(backend, workers, rng)
+        backend.clear_caches(timeout=30)        # the live workers have let go of their memory: no name collides
+        with pytest.raises(TransferError, match="rank 0 of deployment .* has a live worker already"):
+            CacheWorker(spec, rank=0, tp_size=2, device="sim", suffix=backend.suffix).start()
+        backend.restore_caches(timeout=30)
+        assert all(w.ready for w in workers)
+        round_trip(backend, workers, rng)
 
 
 # -- a spec that does not fit -------------------------------------------------------------------------

@@ -9,9 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from conftest import all_tensors, deployment, randomize, round_trip, small_spec
-from fastcache import TransferError
-from fastcache.transfer.manager import TEST_LAYER_PACE
+from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec
+from fastcache import RefusedError, TransferError
+from fastcache.ipc.layers import FAILED, SlotClaims, layers_in_place
+from fastcache.ipc.signal import LAYER_SLOTS
+from fastcache.transfer.manager import TEST_LAYER_PACE, TEST_SWAP_OUT_GATE
 
 SPEC = small_spec(num_layers=6, num_gpu_blocks=32, num_cpu_blocks=32)
 PACE = 0.05         # seconds after each published layer: a layer published before its copy would show
@@ -104,6 +106,8 @@ def test_a_transfer_manager_killed_while_a_layer_is_awaited_fails_every_waiter_n
         assert not waiter.is_alive(), "the worker was left blocked"
         assert isinstance(errors.get("worker"), TransferError) and "rank 1" in str(errors["worker"])
         assert time.monotonic() - began < 2 + 10
+        with pytest.raises(TransferError, match="rank 1"):
+            handle.result(timeout=30)           # rank 0 is done with its part (paced, on its main thread) too
         backend.restart_rank(1)
         backend.wait_ready(timeout=30)
         monkeypatch.delenv(TEST_LAYER_PACE)
@@ -151,3 +155,122 @@ def test_a_layerwise_swap_in_writes_exactly_what_a_plain_one_does(layout):
         for w, expected in zip(workers, plain):
             for rows, e in zip(all_tensors(w), expected):
                 np.testing.assert_array_equal(rows, e)
+
+
+def test_a_wait_never_reads_a_later_task_s_progress_as_its_own(monkeypatch, tmp_path):
+    """A layer-by-layer swap-in B held behind a conflicting swap-out, 63 unrelated swaps, then a layer-by-layer
+    swap-in C that (with ids in a row) would share B's slot: B's waits, the handle's and the worker's, return
+    only once B's own layers are in place, with B's bytes."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
+    monkeypatch.setenv("FASTCACHE_INLINE_BYTES", "0")       # every task on an executor: a held one holds no other
+    rng = np.random.default_rng(55)
+    gate.touch()
+    with deployment(SPEC, tp=2) as (backend, workers):
+        dst, cpu, want = prepared(backend, workers, rng, n=4)
+        gate.unlink()                                   # swap-outs wait from here on
+        try:
+            spare = backend.allocate_cpu_blocks(1)
+            held = backend.swap_out(dst[:1], spare)     # reads dst[0]: B must wait for it
+            b = backend.swap_in(dst, cpu, layerwise=True)
+            others = [g for g in range(SPEC.num_gpu_blocks) if g not in set(dst.tolist())]
+            unrelated = backend.allocate_cpu_blocks(2)
+            for _ in range(LAYER_SLOTS - 1):
+                backend.swap_in(others[:1], unrelated[:1]).result(timeout=30)     # they run meanwhile
+            c = backend.swap_in(others[1:3], unrelated, layerwise=True)
+            c.wait_layer(SPEC.num_layers - 1, timeout=30)
+            c.result(timeout=30)
+            assert not held.done() and not b.done()
+            with pytest.raises(TimeoutError):
+                b.wait_layer(0, timeout=0.3)
+            for w in workers:
+                with pytest.raises(TimeoutError):
+                    w.wait_layer(b.task_id, 0, timeout=0.3)
+            for w in workers:                           # B's rows still hold what they held
+                assert all(not np.array_equal(g, e) for g, e in zip(layer_rows(w, dst)[0], want[0][0]))
+        finally:
+            gate.touch()
+        for layer in range(SPEC.num_layers):
+            b.wait_layer(layer, timeout=30)
+            for w, expected in zip(workers, want):
+                for g, e in zip(layer_rows(w, dst)[layer], expected[layer]):
+                    np.testing.assert_array_equal(g, e)
+        for w in workers:
+            w.wait_layer(b.task_id, SPEC.num_layers - 1, timeout=30)
+        b.result(timeout=30)
+        held.result(timeout=30)
+        round_trip(backend, workers, rng)
+
+
+def test_a_worker_s_wait_refuses_what_no_task_can_satisfy_at_once():
+    rng = np.random.default_rng(56)
+    with deployment(SPEC, tp=1) as (backend, (worker,)):
+        dst, cpu, want = prepared(backend, [worker], rng, n=3)
+        plain = backend.swap_in(dst, cpu).result(timeout=30)
+        handle = backend.swap_in(dst, cpu, layerwise=True)
+        began = time.monotonic()
+        for layer in (-1, SPEC.num_layers, 1.5, True):
+            with pytest.raises(ValueError, match="layer must be an int"):
+                worker.wait_layer(handle.task_id, layer, timeout=None)
+        for task_id in (0, -3, True, "1"):
+            with pytest.raises(ValueError, match="task_id must be a positive int"):
+                worker.wait_layer(task_id, 0, timeout=None)
+        for task_id in (plain.task_id, handle.task_id + 1, handle.task_id + LAYER_SLOTS):
+            with pytest.raises(ValueError, match="not a layer-by-layer task"):
+                worker.wait_layer(task_id, 0, timeout=None)
+        assert time.monotonic() - began < 5, "a refused wait waited"
+        worker.wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=30)
+        handle.result(timeout=30)
+        for layer in range(SPEC.num_layers):
+            for g, e in zip(layer_rows(worker, dst)[layer], want[0][layer]):
+                np.testing.assert_array_equal(g, e)
+
+
+def test_a_task_failed_before_its_layers_start_fails_the_worker_s_wait_at_once(monkeypatch):
+    """The failure is the rank's (an injected fault before the copy starts): the worker's wait raises as the
+    handle does, long before its timeout, and the other rank's worker sees its own rank's bytes."""
+    monkeypatch.setenv("FASTCACHE_FAIL_EVERY", "1:1")      # every task on rank 1 fails before it copies
+    rng = np.random.default_rng(57)
+    with deployment(SPEC, tp=2) as (backend, workers):
+        for r, w in enumerate(workers):
+            randomize(w, rng)
+            tier = backend.cpu_tier(r)
+            tier[...] = rng.integers(1, 256, tier.shape, dtype=np.uint8)
+        dst, cpu = rng.choice(SPEC.num_gpu_blocks, 4, replace=False), np.arange(4)
+        began = time.monotonic()
+        handle = backend.swap_in(dst, cpu, layerwise=True)
+        with pytest.raises(TransferError, match="rank 1"):
+            workers[1].wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=20)
+        assert time.monotonic() - began < 10, "the worker waited out its timeout"
+        with pytest.raises(TransferError, match="rank 1"):
+            handle.wait_layer(0, timeout=20)
+        workers[0].wait_layer(handle.task_id, SPEC.num_layers - 1, timeout=20)     # rank 0 did its part
+        np.testing.assert_array_equal(cpu_image(workers[0], dst), backend.cpu_tier(0)[cpu])
+
+
+def test_the_engine_never_gives_two_unfinished_tasks_one_slot():
+    """SlotClaims alone: ids whose slot an unfinished task holds are skipped, the 65th task in flight is refused
+    (nothing claimed), and a finished task's slot serves again once released."""
+    import itertools
+    claims = np.zeros((2, LAYER_SLOTS, 2), np.int64)
+    slots = SlotClaims("a layer-by-layer swap-in")
+    SlotClaims.open(claims)
+    ids = itertools.count(1)
+    first = slots.claim(claims, range(2), ids)
+    for _ in range(LAYER_SLOTS - 1):
+        next(ids)                                   # other tasks take ids 2..64 meanwhile
+    later = slots.claim(claims, range(2), ids)
+    assert (first, later) == (1, LAYER_SLOTS + 2), "id 65 would share task 1's slot: it is skipped"
+    held = [slots.claim(claims, range(2), ids) for _ in range(LAYER_SLOTS - 2)]
+    assert len({t % LAYER_SLOTS for t in [first, later, *held]}) == LAYER_SLOTS
+    before = claims.copy()
+    with pytest.raises(RefusedError, match="in flight"):
+        slots.claim(claims, range(2), ids)
+    np.testing.assert_array_equal(claims, before)
+    SlotClaims.settle(claims, 1, first, ok=False)
+    assert layers_in_place(np.zeros((2, LAYER_SLOTS, 3), np.int64), 1, first, claims=claims) == FAILED
+    slots.release(first)
+    again = slots.claim(claims, range(2), ids)
+    assert again % LAYER_SLOTS == first % LAYER_SLOTS
+    with pytest.raises(ValueError, match="not a layer-by-layer task"):
+        layers_in_place(np.zeros((2, LAYER_SLOTS, 3), np.int64), 1, first, claims=claims)

@@ -1,6 +1,7 @@
 """Sealed L3 objects under a deployment key (docs/design.md §12): what a hostile writer of the store can
 and cannot do. Anyone who reaches a Mooncake master can write any key and read any object; with a key the
-store sees no plaintext, and a forged, replayed or foreign object is a miss (and removed), never bytes."""
+store sees no plaintext, and a forged, replayed or foreign object is a miss, never bytes; it stays in the
+store (another key's object is no proof of corruption), counted apart."""
 from __future__ import annotations
 
 import os
@@ -42,8 +43,8 @@ class Rank:
     def put(self, hashes, cpu):
         return self.store.put(self.keys, as_hashes(hashes), np.array(cpu))
 
-    def get(self, hashes, cpu):
-        return self.store.get(self.keys, as_hashes(hashes), np.array(cpu))
+    def get(self, hashes, cpu, foreign=None):
+        return self.store.get(self.keys, as_hashes(hashes), np.array(cpu), foreign)
 
     def close(self):
         self.store.close()
@@ -77,7 +78,7 @@ def test_a_sealed_round_trip_returns_every_byte_and_the_store_holds_no_plaintext
         reader.close()
 
 
-def test_a_forged_object_built_from_public_facts_is_a_miss_and_is_removed(tmp_path):
+def test_a_forged_object_built_from_public_facts_is_a_miss_left_in_place_and_an_honest_put_replaces_it(tmp_path):
     """The attacker knows namespace, fingerprint, hash and rank (they are in the key) and builds an object
     with a valid plain header and checksum, as today's unsealed format accepts."""
     sealed = Rank(sealed_url(tmp_path), 3)
@@ -86,8 +87,9 @@ def test_a_forged_object_built_from_public_facts_is_a_miss_and_is_removed(tmp_pa
         assert attacker.put([20], [1]) == 0
         path = object_file(sealed, 20)
         assert os.path.exists(path)
-        assert not sealed.get([20], [6]).any()            # block 6 is undefined now, as after any miss
-        assert not os.path.exists(path)                   # removed, so an honest put can replace it
+        foreign = np.zeros(1, bool)
+        assert not sealed.get([20], [6], foreign).any()   # block 6 is undefined now, as after any miss
+        assert foreign.all() and os.path.exists(path)     # it cannot be authenticated: not ours to delete
         honest = sealed.tier[7].copy()
         assert sealed.put([20], [7]) == 0 and sealed.get([20], [2]).all()
         np.testing.assert_array_equal(sealed.tier[2], honest)
@@ -112,13 +114,34 @@ def test_replayed_objects_under_other_hashes_ranks_or_namespaces_are_misses(tmp_
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             with open(src, "rb") as f, open(dst, "wb") as g:
                 g.write(f.read())
-        assert not a.get([33, 34, 35], [8, 9, 10]).any()
+        foreign = np.zeros(3, bool)
+        assert not a.get([33, 34, 35], [8, 9, 10], foreign).any()
+        assert foreign.all()
         for _, dst in replays:
-            assert not os.path.exists(dst)
+            assert os.path.exists(dst)                    # a miss, left in the store
         assert a.get([30, 31], [11, 12]).all()            # the honest objects still serve
     finally:
         for r in (a, b, other_ns):
             r.close()
+
+
+def test_a_sealed_object_is_bound_to_its_namespace_alone(tmp_path):
+    """Another namespace's object of the same hash, rank and geometry, copied under this namespace's key:
+    only the namespace tells them apart, and the tag covers it."""
+    url = sealed_url(tmp_path)
+    mine, other = Rank(url, 12), Rank(url, 13, namespace="llama/step-1")
+    try:
+        other.put([36], [4])
+        dst = object_file(mine, 36)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(object_file(other, 36), "rb") as f, open(dst, "wb") as g:
+            g.write(f.read())
+        assert not mine.get([36], [5]).any()
+        assert other.get([36], [6]).all()                 # the original still serves its own namespace
+        np.testing.assert_array_equal(other.tier[6], other.tier[4])
+    finally:
+        mine.close()
+        other.close()
 
 
 def test_a_flipped_bit_anywhere_in_a_sealed_object_is_a_miss(tmp_path):
@@ -148,9 +171,13 @@ def test_another_key_cannot_open_a_deployments_objects_and_no_key_serves_none(tm
     plain = Rank(f"file://{root}", 11)
     try:
         mine.put([50], [0])
-        assert not theirs.get([50], [1]).any()
+        foreign = np.zeros(1, bool)
+        assert not theirs.get([50], [1], foreign).any() and foreign.all()
         mine.put([51], [1])
-        assert not plain.get([51], [2]).any()          # a sealed object is no plain one
+        foreign[:] = False
+        assert not plain.get([51], [2], foreign).any() and foreign.all()     # a sealed object is no plain one
+        assert mine.get([50, 51], [3, 4]).all()        # neither was deleted: the right key still reads both
+        np.testing.assert_array_equal(mine.tier[3:5], mine.tier[0:2])
     finally:
         for r in (mine, theirs, plain):
             r.close()
@@ -173,3 +200,53 @@ def test_the_key_is_read_from_a_private_file_and_never_shown(tmp_path):
             assert key.hex() not in str(err.value) and repr(key) not in str(err.value), what
     with pytest.raises(ValueError, match="unknown options"):
         parse_store_url("file:///tmp/x?segment_mb=1")
+
+
+def test_an_engine_with_the_wrong_key_deletes_none_of_the_right_keys_objects_and_says_why(tmp_path, capfd):
+    """Two deployments share a store; the second names another key. Its loads miss, saying "wrong key or
+    foreign object" (logged once), and every object stays: the first deployment still loads each byte."""
+    from conftest import deployment
+    from fastcache import TransferError
+    root = tmp_path / "l3"
+    right = f"file://{root}?key_file={key_file(tmp_path / 'right')}"
+    wrong = f"file://{root}?key_file={key_file(tmp_path / 'wrong')}"
+    rng = np.random.default_rng(60)
+    hashes = [int(h) for h in rng.integers(0, 2**63, 3)]
+    with deployment(SPEC, tp=1, store=right) as (a, _):
+        tier = a.cpu_tier(0)
+        tier[:3] = rng.integers(0, 256, (3, SPEC.cpu_block_bytes), dtype=np.uint8)
+        want = tier[:3].copy()
+        a.cpu_to_store("shared", hashes, [0, 1, 2]).result(timeout=30)
+        with deployment(SPEC, tp=1, store=wrong) as (b, _):
+            assert b.store_contains("shared", hashes).all()
+            for _ in range(2):
+                with pytest.raises(TransferError,
+                                   match="3 of them failed authentication \\(wrong key or foreign object"):
+                    b.store_to_cpu("shared", hashes, [5, 6, 7]).result(timeout=30)
+            assert b.store_contains("shared", hashes).all()         # nothing deleted
+        tier[3:6] = rng.integers(0, 256, (3, SPEC.cpu_block_bytes), dtype=np.uint8)
+        a.store_to_cpu("shared", hashes, [3, 4, 5]).result(timeout=30)
+        np.testing.assert_array_equal(tier[3:6], want)
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "WARNING" in line and "wrong key or foreign object" in line]
+    assert len(warnings) == 1, err[-3000:]          # said once
+
+
+def test_a_key_that_is_plainly_not_random_is_refused(tmp_path):
+    """32 zero bytes, 32 characters of text, a short repeated pattern: each would seal every object under a
+    key anyone can guess. Raw or hex, they are refused naming key_file; random keys in both forms load."""
+    rng = np.random.default_rng(61)
+    weak = {"zeros": bytes(KEY_BYTES), "text": b"correct horse battery staple 123",
+            "hex digits of 16 bytes": os.urandom(16).hex().encode(), "pattern": bytes(range(8)) * 4,
+            "few values": bytes(rng.integers(0, 8, KEY_BYTES, dtype=np.uint8))}
+    for what, key in weak.items():
+        assert len(key) == KEY_BYTES, what
+        for hex_form in (False, True):
+            path = key_file(tmp_path / f"{what}-{hex_form}", key, hex_form=hex_form)
+            with pytest.raises(ValueError, match="key_file") as err:
+                parse_store_url(f"file:///tmp/x?key_file={path}")
+            assert key.hex() not in str(err.value), what
+    for i in range(20):
+        key = os.urandom(KEY_BYTES)
+        for hex_form in (False, True):
+            Sealer.from_file(key_file(tmp_path / f"good{i}-{hex_form}", key, hex_form=hex_form))

@@ -284,6 +284,31 @@ def test_a_directory_where_an_object_belongs_is_a_miss_and_is_removed(store, tie
     np.testing.assert_array_equal(tier[11], tier[2])
 
 
+def test_a_fifo_where_an_object_belongs_is_a_prompt_miss_and_is_removed(store, tier, tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes: a fetch must open regular files only, without
+    blocking, or one FIFO stalls the rank's store lane for good."""
+    rng = np.random.default_rng(33)
+    k = keys()
+    h = int(rng.integers(0, 2**63))
+    store.put(k, as_hashes([h]), np.array([0]))
+    path = object_path(tmp_path, k, h)
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+    result = []
+    fetch = threading.Thread(target=lambda: result.append(store.get(k, as_hashes([h]), np.array([13]))), daemon=True)
+    fetch.start()
+    fetch.join(5)
+    if fetch.is_alive():                    # let the stuck reader go before failing: a writer ends its open()
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        fetch.join(5)
+        pytest.fail("a fetch of a FIFO blocked")
+    assert not result[0].any() and not os.path.lexists(path)
+    tier[4] = rng.integers(0, 256, tier.shape[1], dtype=np.uint8)
+    store.put(k, as_hashes([h]), np.array([4]))
+    assert store.get(k, as_hashes([h]), np.array([14])).all()
+    np.testing.assert_array_equal(tier[14], tier[4])
+
+
 def test_a_put_replaces_a_directory_where_its_object_belongs(store, tier, tmp_path):
     """A put that comes before any fetch of the key: it writes the object, as it does over a corrupt file."""
     rng = np.random.default_rng(31)
@@ -454,6 +479,7 @@ def kill_during_put(url):
         tier = backend.cpu_tier(0)
         tier[...] = rng.integers(1, 256, tier.shape, dtype=np.uint8)
         want = tier.copy()
+        assert not backend.store_contains("kill", hashes[:1]).any()    # the engine's client is up before the put
         handle = backend.cpu_to_store("kill", hashes, np.arange(n))
         wait_for(lambda: backend.store_contains("kill", hashes[:1]).all(), 30, "the first object")
         os.kill(backend.transfer_pids[0], signal.SIGKILL)

@@ -352,7 +352,8 @@ def test_a_pool_with_no_memory_counts_its_skipped_puts_and_says_why(capfd):
 def test_sealed_objects_round_trip_in_parts_hold_no_plaintext_and_a_forgery_is_a_miss(service, raw, tmp_path,
                                                                                        monkeypatch):
     """With a deployment key (docs/design.md §12) puts go through registered staging in parts, two at a
-    time; what a plain client reads is ciphertext, and what it writes under our keys is a miss, removed."""
+    time; what a plain client reads is ciphertext, and what it writes under our keys is a miss, left there
+    (this engine cannot tell another key's object from a forgery)."""
     from fastcache.store import seal
     key = tmp_path / "key"
     key.write_bytes(os.urandom(seal.KEY_BYTES))
@@ -375,7 +376,11 @@ def test_sealed_objects_round_trip_in_parts_hold_no_plaintext_and_a_forgery_is_a
         np.testing.assert_array_equal(s.tier[10:20], want)
         forged = keys(k.namespace).object(400, want[3])                        # a valid plain object
         assert raw.put(k.name(400), forged) == 0
-        assert not s.get(k, as_hashes([400]), np.array([25])).any()
-        assert raw.is_exist(k.name(400)) != 1                                 # removed
+        foreign = np.zeros(1, bool)
+        assert not s.get(k, as_hashes([400]), np.array([25]), foreign).any()
+        assert foreign.all() and raw.is_exist(k.name(400)) == 1      # not authenticated: a miss, left in place
+        s.tier[26] = 0
+        assert s.get(k, hashes[:1], np.array([26])).all()                     # the honest objects still serve
+        np.testing.assert_array_equal(s.tier[26], want[0])
     finally:
         s.close()

@@ -4,6 +4,7 @@ import pytest
 
 from fastcache import SwapBackend, TransferError
 from fastcache.ipc import protocol
+from fastcache.ops.sim import RUN_MIN_ROW_BYTES
 
 from conftest import all_tensors, cpu_image, deployment, randomize, small_spec
 
@@ -15,7 +16,25 @@ LAYOUTS = {
     "fp8_k_only_bf16_scales": dict(cache_dtype="block_wise_fp8", has_value=False, scale_dtype="bfloat16"),
     "extra_layers": dict(num_extra_layers=2, num_extra_gpu_blocks=12),
     "odd_rows": dict(cache_dtype="uint8", head_dim=3, block_size=3, num_kv_heads=1),   # 9-byte rows
+    # rows of 4 KiB and more: the sim copier moves these run by run (RUN_MIN_ROW_BYTES), shorter ones in chunks
+    "4k_rows": dict(block_size=16, num_kv_heads=2, head_dim=64),
+    "8k_rows_fp8_scales": dict(cache_dtype="block_wise_fp8", block_size=32, num_kv_heads=2, head_dim=128),
+    "4k_rows_extra_layers": dict(block_size=16, num_kv_heads=2, head_dim=64, num_extra_layers=2,
+                                 num_extra_gpu_blocks=12),
 }
+
+
+def ids_with_runs(rng, gpu_blocks, cpu_blocks, n=8):
+    """n distinct GPU and CPU ids, the first four two runs that count up together in both lists (what the run
+    by run path moves in one call), the rest random."""
+    g0 = rng.integers(0, gpu_blocks // 2 - 2)
+    g1 = rng.integers(gpu_blocks // 2, gpu_blocks - 2)
+    c0 = rng.integers(0, cpu_blocks // 2 - 2)
+    c1 = rng.integers(cpu_blocks // 2, cpu_blocks - 2)
+    gpu, cpu = [g0, g0 + 1, g1, g1 + 1], [c0, c0 + 1, c1, c1 + 1]
+    gpu += rng.choice(np.setdiff1d(np.arange(gpu_blocks), gpu), n - 4, replace=False).tolist()
+    cpu += rng.choice(np.setdiff1d(np.arange(cpu_blocks), cpu), n - 4, replace=False).tolist()
+    return np.array(gpu), np.array(cpu)
 
 
 def check_round_trip(backend, workers, rng):
@@ -27,8 +46,7 @@ def check_round_trip(backend, workers, rng):
         randomize(w, rng)
     for r in ranks:
         backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
-    src = rng.choice(spec.num_gpu_blocks, 6, replace=False)
-    cpu = rng.choice(spec.num_cpu_blocks, 6, replace=False)
+    src, cpu = ids_with_runs(rng, spec.num_gpu_blocks, spec.num_cpu_blocks)
     before = [[rows.copy() for rows in all_tensors(w)] for w in workers]
     tier_before = [backend.cpu_tier(r).copy() for r in ranks]
     h = backend.swap_out(src, cpu)
@@ -44,7 +62,7 @@ def check_round_trip(backend, workers, rng):
     tier = [backend.cpu_tier(r).copy() for r in ranks]
     for w in workers:
         randomize(w, rng)                           # overwrite everything, the sources included
-    dst = rng.choice(spec.num_gpu_blocks, 6, replace=False)
+    dst, _ = ids_with_runs(rng, spec.num_gpu_blocks, spec.num_cpu_blocks)
     between = [[rows.copy() for rows in all_tensors(w)] for w in workers]
     backend.swap_in(dst, cpu).result(timeout=20)
     for r, w in zip(ranks, workers):
@@ -62,6 +80,11 @@ def test_round_trip(layout, tp):
     rng = np.random.default_rng(abs(hash((layout, tp))) % 2**32)
     with deployment(small_spec(**LAYOUTS[layout]), tp=tp) as (backend, workers):
         check_round_trip(backend, workers, rng)
+
+
+def test_the_large_row_layouts_reach_the_run_by_run_path():
+    for name in ("4k_rows", "8k_rows_fp8_scales", "4k_rows_extra_layers"):
+        assert small_spec(**LAYOUTS[name]).tensors()[0].block_bytes >= RUN_MIN_ROW_BYTES, name
 
 
 def test_cpu_tier_holds_block_major_rows():

@@ -150,6 +150,37 @@ def test_eviction_is_least_recently_used_and_takes_a_chain_from_its_tail():
     assert stats["evicted"] == 4 and stats["store_skipped"] == 1 and stats["entries"] == 6
 
 
+def test_a_multi_hash_load_leaves_its_first_hash_most_recent_and_its_chain_goes_from_the_tail():
+    backend = FakeBackend(num_cpu_blocks=4)
+    backend.auto = True
+    cache = TieredCache(backend, "ns")
+    cache.store([1, 2, 3, 4], [0, 1, 2, 3])         # 4 is the least recently used
+    cache.load([4, 3, 2], [10, 11, 12])              # a chain whose head is 4: 4 ends most recent, then 3, 2
+    for new, held in (([5], [4, 3, 2]), ([6], [4, 3]), ([7], [4])):
+        cache.store(new, [20])                       # each evicts one: 1, then the chain from its tail
+        assert cache.lookup([4, 3, 2]) == len(held), new
+    assert cache.lookup([1]) == 0 and cache.lookup([5, 6, 7]) == 3
+
+
+def test_the_slow_eviction_path_skips_pinned_and_protected_entries_and_takes_the_least_recent_others():
+    backend = FakeBackend(num_cpu_blocks=6)
+    backend.auto = True
+    cache = TieredCache(backend, "ns")
+    cache.store([1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5])     # least recent first: 6, 5, 4, 3, 2, 1
+    block = {h: cache._index[h][BLOCK] for h in range(1, 7)}
+    backend.auto = False
+    pinned = cache.load([6], [10])                   # in flight: 6 is pinned
+    finish(cache.load([5, 4, 3, 2, 1], [11, 12, 13, 14, 15]))   # least recent first: 6 (pinned), 1, 2, 3, 4, 5
+    store = cache.store([7, 8], [16, 17])            # skips 6; takes 1 and 2, the least recent others
+    assert sorted(backend.tasks[-1][2]) == sorted([block[1], block[2]])
+    finish(pinned)
+    finish(store)
+    assert [cache.lookup([h]) for h in range(1, 9)] == [0, 0, 1, 1, 1, 1, 1, 1]
+    backend.auto = True                              # least recent first now: 6, 3, 4, 5, 8, 7
+    cache.store([3, 9, 4, 10], [0, 1, 2, 3])         # 3 and 4 held: protected, so 6 and 5 go
+    assert [cache.lookup([h]) for h in (3, 4, 5, 6, 7, 8, 9, 10)] == [1, 1, 0, 0, 1, 1, 1, 1]
+
+
 def test_a_hash_listed_twice_is_stored_once_and_held_hashes_move_nothing():
     backend = FakeBackend()
     backend.auto = True

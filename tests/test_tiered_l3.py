@@ -288,6 +288,49 @@ def test_a_load_through_the_store_refuses_when_its_cpu_tier_hashes_leave_while_t
         cache.close()
 
 
+@pytest.mark.parametrize("when", ["while the store is asked", "while the fetch runs"])
+def test_an_l3_load_racing_a_namespace_change_never_serves_old_bytes_under_the_new_namespace(tmp_path, when):
+    """New weights, a new namespace: what a load fetches from the old namespace's objects must not become an
+    entry of the new one, whether the change comes while load() asks the store or while its fetch runs."""
+    rng = np.random.default_rng(13)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "weights/0", capacity=2)
+        hashes = [401, 402]
+        fill(workers, [0, 1, 2, 3], rng)
+        cache.store(hashes, [0, 1]).result(30)
+        cache.store([403, 404], [2, 3]).result(30)      # 401 and 402 go down to the store
+        assert cache.lookup_tiers(hashes) == (2, 2)
+        asking, fetching = backend.store_contains, backend.store_to_cpu
+
+        def change_while_asked(namespace, keys):
+            backend.store_contains = asking
+            answer = asking(namespace, keys)
+            cache.namespace = "weights/1"
+            return answer
+
+        def change_while_fetching(namespace, keys, cpu):
+            backend.store_to_cpu = fetching
+            handle = fetching(namespace, keys, cpu)
+            cache.namespace = "weights/1"
+            return handle
+        if when == "while the store is asked":
+            backend.store_contains = change_while_asked
+            with pytest.raises(TransferError, match="namespace changed"):
+                cache.load(hashes, [4, 5])
+        else:
+            backend.store_to_cpu = change_while_fetching
+            cache.load(hashes, [4, 5]).result(30)       # the caller asked under the old namespace
+        assert cache.namespace == "weights/1"
+        assert cache.lookup_tiers(hashes) == (0, 0)     # neither tier holds them under the new namespace
+        assert all(not e[2] for e in cache._index.values())
+        new = fill(workers, [6, 7], rng)                # the new weights' bytes for the same hashes
+        cache.store(hashes, [6, 7]).result(30)
+        poison(workers, [8, 9], rng)
+        cache.load(hashes, [8, 9]).result(30)
+        check(workers, [8, 9], new)
+        cache.close()
+
+
 def test_a_load_short_of_blocks_puts_its_victims_into_the_store_before_their_blocks_are_reused(tmp_path):
     """A load that evicts, then finds too few blocks for its store hits, hands the blocks back; the
     write-back of what it evicted must be queued before another thread can take those blocks, or the

@@ -348,3 +348,53 @@ def test_launch_offload_weights_compares_and_times_both_forwards():
     bad = subprocess.run([sys.executable, "-m", "fastcache.launch", "--device", "sim", "--offload-weights", "1.5"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "fraction in [0, 1]" in bad.stderr
+
+
+def test_two_streams_in_flight_each_forward_reads_its_own_bytes_or_is_refused():
+    """Two streams submitted before either forward: forwards in submission order read the right bytes; a
+    forward over the older stream after one over the newer has begun is refused (its slots hold the newer
+    stream's layers), never served wrong bytes, and the ring serves on."""
+    with weights_deployment(weights=MODEL, offload_fraction=0.5) as (backend, (worker,)):
+        weights = loaded(worker, seed=8)
+        x = model_input(3, BATCH, HIDDEN)
+        want = reference(8, 0, x, LAYERS, HIDDEN).tobytes()
+
+        def run(handle):
+            with weights.forward(handle.task_id, timeout=30) as f:
+                return forward(x.copy(), f.layer, LAYERS).tobytes()
+        first, second = backend.stream_weights(), backend.stream_weights()
+        assert run(first) == want and run(second) == want
+        first.result(timeout=30)
+        second.result(timeout=30)
+        first, second = backend.stream_weights(), backend.stream_weights()
+        assert run(second) == want
+        with pytest.raises(ValueError, match="stale"):
+            run(first)
+        first.result(timeout=30)
+        second.result(timeout=30)
+        assert run(backend.stream_weights()) == want
+
+
+def test_a_streamed_layer_read_after_a_later_one_is_refused_and_the_forward_goes_on():
+    """Layers 0, 5, 6 then 4: layer 4's slot may hold layer 6 by then. The read is refused with ValueError,
+    and the forward goes on reading the right bytes; resident layers may be read in any order."""
+    with weights_deployment(weights=MODEL, offload_fraction=0.5) as (backend, (worker,)):
+        weights = loaded(worker, seed=7)
+
+        def same(params, layer):
+            w = layer_weights(7, 0, layer, HIDDEN)
+            return params["w"].tobytes() == w["w"].tobytes() and params["b"].tobytes() == w["b"].tobytes()
+        handle = backend.stream_weights()
+        with weights.forward(handle.task_id, timeout=30) as f:
+            for layer in (0, 5, 6):
+                assert same(f.layer(layer), layer), f"layer {layer}"
+            for earlier in (4, 5):
+                with pytest.raises(ValueError, match="in order"):
+                    f.layer(earlier)
+            for layer in (6, 2, 7, 1):
+                assert same(f.layer(layer), layer), f"layer {layer}"
+        handle.result(timeout=30)
+        handle = backend.stream_weights()       # the next pass reads every layer right
+        with weights.forward(handle.task_id, timeout=30) as f:
+            assert all(same(f.layer(layer), layer) for layer in range(LAYERS))
+        handle.result(timeout=30)

@@ -21,6 +21,7 @@ from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
+from ..ipc.layers import SlotClaims
 from ..ipc.leftovers import remove_dead
 from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.queue import bind_replies, make_socket_dir, new_token, remove_socket_dir
@@ -40,6 +41,9 @@ from .reshard_phase import ReshardPhase
 from .weights_phase import WeightPhases
 
 log = logging.getLogger("fastcache.engine")
+
+CLOSE_TIMEOUT = 30.0        # seconds SwapBackend.close() takes at most by default
+STOP_GRACE = 5.0            # of which the transfer managers get this long to stop before they are killed
 
 
 class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, WeightPhases):
@@ -80,6 +84,8 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         self._copy_seconds: dict[int, float] = {}       # rank -> its last reshard move's copy time
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
+        self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # and the weight streams' (ipc/layers.py)
+        self._weight_slots = SlotClaims("a weight stream")
         self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
         self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
@@ -109,6 +115,8 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         try:
             # room for every tp a reshard can reach (docs/design.md §9): the signals and the barrier stay
             self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
+            for claims in ("layer_claims", "weight_claims"):
+                SlotClaims.open(self.signals.whole(claims))
             self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
             self._create_swap_spaces()
@@ -206,14 +214,16 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
 
     def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False) -> TransferHandle:
-        handle = self._new_task(kind, self.spec.task_bytes(gpu_ids) * self.tp_size, "swap")
+        slots = self._layer_slots if layerwise else None
+        handle = self._new_task(kind, self.spec.task_bytes(gpu_ids) * self.tp_size, "swap", slots)
         if layerwise:
-            handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers)
+            handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers, slots)
         return self._send_task(handle, protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise))
 
-    def _new_task(self, kind, nbytes: int, what: str) -> TransferHandle:
+    def _new_task(self, kind, nbytes: int, what: str, slots=None, claims: str = "layer_claims") -> TransferHandle:
         """The handle of a task about to be sent, once the deployment can take one: RefusedError while it is
-        cleared, restored, resharded or not ready, TransferError if it is not running or a rank failed."""
+        cleared, restored, resharded or not ready, TransferError if it is not running or a rank failed. A
+        layer-by-layer task takes its id from `slots` (ipc/layers.py: no two unfinished ones share a slot)."""
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         status = self.signals.status
@@ -223,7 +233,9 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         self._raise_if_failed()
         if not self._all_ready():
             raise RefusedError(f"{what} refused: deployment not ready ({self._readiness()}); call wait_ready()")
-        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size), nbytes)
+        task_id = next(self._task_ids) if slots is None else \
+            slots.claim(getattr(self.signals, claims), range(self.tp_size), self._task_ids)
+        handle = TransferHandle(task_id, kind, range(self.tp_size), nbytes)
         handle.add_done_callback(self.counters.record)      # fastcache.metrics: per direction
         return handle
 
@@ -326,12 +338,13 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         """Send a phase to every transfer manager, meet everyone at the barrier, collect the acks."""
         with self._phase_cond:
             self._phase_acks[phase] = {}
-        self._send_all(message)
+        self._send_phase_command(phase, message)
         try:
             self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
             failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._failed.items()))
-            raise TransferError(f"{phase} failed: {exc}{failed}") from None
+            raise TransferError(f"{phase} failed: {self._end_phase_command() or exc}{failed}") from None
+        self._end_phase_command()
         with self._phase_cond:
             ok = self._phase_cond.wait_for(lambda: len(self._phase_acks[phase]) == self.tp_size or self._failed,
                                            max(0.0, deadline - time.monotonic()))
@@ -353,18 +366,26 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
             time.sleep(0.001)
 
     # -- shutdown --------------------------------------------------------------------------------
-    def close(self):
-        """Stop the transfer managers and remove every segment and socket this deployment created."""
+    def close(self, timeout: float = CLOSE_TIMEOUT):
+        """Stop the transfer managers and remove every segment and socket this deployment created, within
+        about `timeout` seconds: the caches' puts in flight get what is left of it less STOP_GRACE (a hung
+        store's puts are then reported as not landed), and a transfer manager not gone by the end is killed."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout <= 86400:
+            raise ValueError(f"close timeout must be a number of seconds in [0, 86400], got {timeout!r}")
         if self._closed or not self._started:
             self._closed = True
             return
-        self._close_caches()
+        deadline = time.monotonic() + timeout
+        self._close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
         if getattr(self, "_io_thread", None) is not None:
             self._send_all(protocol.encode("stop"))
-        self._stop_processes()
-        # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited
-        close_local_workers(self.suffix)
+        self._stop_processes(grace=max(0.5, deadline - time.monotonic()))
+        # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited. A
+        # backend refused at start (the suffix belongs to a live deployment) created nothing: the workers
+        # in this process are the running deployment's, not its own
+        if self.signals is not None:
+            close_local_workers(self.suffix)
         if getattr(self, "_io_thread", None) is not None:
             self._io_stop.set()
             self._io_thread.join()

@@ -3,25 +3,49 @@ ranks' task pipes (under a lock, in submission order); one I/O thread reads the 
 handles rank by rank, records phase acknowledgements, and calls supervision every 100 ms.
 
 A mixin of SwapBackend. The state it owns: `_context`, `_router`, `_task_pushes`, `_handles`,
-`_phase_acks`, `_warned` and the I/O thread; replies are accepted only from the process supervision
-spawned for a rank.
+`_phase_acks`, `_phase_command`, `_warned` and the I/O thread; replies are accepted only from the process
+supervision spawned for a rank.
+
+A phase command that another process takes off a rank's task pipe would leave the phase waiting for its
+whole timeout: until each rank has read it, the I/O thread sends that rank a numbered no-op (`ping`) every
+PING_AFTER seconds, so the rank soon sees the gap in the numbers and reports it (`lost`), and the engine
+breaks the phase barrier at once, naming the pipe (docs/design.md §12).
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import zmq
 
 from ..ipc import protocol
+from ..ipc.barrier import transfer_party
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, identity_rank, signed, verified
 
 log = logging.getLogger("fastcache.engine")
 
 PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
+PING_AFTER = 0.1          # seconds a phase command may stay unread before its rank is sent a no-op behind it
+MAX_PINGS = 100           # per phase command: the phase's own timeout covers a rank that reads nothing at all
+
+
+@dataclass
+class PhaseCommand:
+    """A phase command on its way: the number it carries on each rank's pipe, and what became of it."""
+    phase: str
+    seqs: dict                          # rank -> the command's message number
+    sent: float
+    read: set = field(default_factory=set)
+    lost: list = field(default_factory=list)    # ranks that reported it taken off their pipe
+    pings: int = 0
+    last_ping: float = 0.0
 
 
 class TaskChannel:
+    replies_read = 0        # messages the I/O thread has taken off the reply socket, dropped ones included
+    _phase_command: PhaseCommand | None = None      # the phase command being watched (_send_phase_command)
+
     def _serve(self):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -38,8 +62,10 @@ class TaskChannel:
                         self._on_reply(frames)
                     except Exception as exc:        # no single message may end this thread
                         self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
+                    self.replies_read += 1
             if time.monotonic() >= next_watch:
                 self._watch_ranks()
+                self._watch_phase_command()
                 next_watch = time.monotonic() + 0.1
 
     def _send_all(self, message, handle=None):
@@ -59,6 +85,65 @@ class TaskChannel:
                 if not self._deliver(rank, push, message, command=handle is None, handle=handle):
                     self._check_exit(rank)
                     self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"), lost=True)
+
+    def _send_phase_command(self, phase: str, message):
+        """Send a phase command to every rank (as _send_all) and watch that each reads it."""
+        with self._submit_lock:
+            before = dict(self._sent_seq)
+        self._send_all(message)
+        with self._submit_lock:         # no task is sent during a phase: the next number is the command's
+            seqs = {r: before.get(r, 0) + 1 for r, seq in self._sent_seq.items() if seq > before.get(r, 0)}
+        self._phase_command = PhaseCommand(phase, seqs, time.monotonic())
+
+    def _end_phase_command(self) -> str | None:
+        """The phase is over: stop watching its command. Returns why the phase broke if a rank's command was
+        taken off its pipe, else None."""
+        command, self._phase_command = self._phase_command, None
+        if command is None or not command.lost:
+            return None
+        ranks = ", ".join(str(r) for r in sorted(command.lost))
+        return (f"rank {ranks} never received the {command.phase} command: another process took it off the "
+                f"rank's task pipe (a process of this user reading it); once that reader is gone, the same call "
+                f"again finishes the phase")
+
+    def _watch_phase_command(self):
+        """I/O thread: ping each rank that has not read the phase command yet (see the module docstring)."""
+        command = self._phase_command
+        if command is None or command.lost:
+            return
+        now = time.monotonic()
+        received = self.signals.task_received
+        for rank, seq in command.seqs.items():
+            if rank not in command.read and rank < len(received) and int(received[rank]) >= seq:
+                command.read.add(rank)
+        unread = [r for r in command.seqs if r not in command.read]
+        if not unread or now - max(command.sent, command.last_ping) < PING_AFTER or command.pings >= MAX_PINGS:
+            return
+        command.pings, command.last_ping = command.pings + 1, now
+        for rank in unread:
+            self._ping(rank)
+
+    def _ping(self, rank):
+        """A numbered no-op for rank's pipe, sent only if the pipe takes it at once (the I/O thread never waits)."""
+        with self._submit_lock:
+            push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
+            seq = self._sent_seq.get(rank, 0) + 1
+            if push is not None and self._try_send(push, signed(self._token, TO_RANK,
+                                                                [SEQ.pack(seq)] + protocol.encode("ping"))):
+                self._sent(rank, seq, None)
+
+    def _phase_command_lost(self, rank, first, last):
+        """A rank reported messages first..last lost: if the phase command was one, the phase breaks now."""
+        command = self._phase_command
+        seq = command.seqs.get(rank) if command is not None else None
+        if seq is None or not first <= seq <= last or rank in command.lost:
+            return
+        command.lost.append(rank)
+        log.warning("rank %d: the %s command was taken off its task pipe by another process; the phase fails now",
+                    rank, command.phase)
+        self.barrier.abort(transfer_party(rank))
+        with self._phase_cond:
+            self._phase_cond.notify_all()
 
     def _send_to(self, rank, message) -> bool:
         """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
@@ -152,6 +237,7 @@ class TaskChannel:
                     self._phase_cond.notify_all()
         elif kind == "lost":
             self._lost_messages(rank, header["first"], header["last"])
+            self._phase_command_lost(rank, header["first"], header["last"])
         elif kind == "error":
             self._warn_once(("error", rank), f"rank {rank} rejected a message: {header['error']}")
         else:

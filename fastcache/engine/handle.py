@@ -6,7 +6,7 @@ import threading
 import time
 
 from ..errors import TransferError
-from ..ipc.layers import wait_layer
+from ..ipc.layers import SlotClaims, wait_layer
 
 log = logging.getLogger("fastcache.engine")
 REPORT_WAIT_S = 2.0     # for the failure report of a task a rank has marked failed in its layer slot
@@ -75,7 +75,8 @@ class TransferHandle(Completion):
         self._errors: dict[int, str] = {}
         self._reported = 0
         self._lost: set[int] = set()         # ranks failed by the engine (dead, restarted, closed), not by a task
-        self._layers = None                  # (signals, ranks, layers) of a layer-by-layer swap-in
+        self._layers = None                  # (signals, ranks, layers, table, claims) of a layer-by-layer task
+        self._slots = None                   # its SlotClaims, which hold its slot until the handle is done
 
     @classmethod
     def completed(cls, kind: str) -> "TransferHandle":
@@ -99,6 +100,7 @@ class TransferHandle(Completion):
                 self._errors[rank] = error
                 if lost:
                     self._lost.add(rank)
+            self._settle(rank, error is None)
             self._reported += nbytes
             self.skipped = max(self.skipped, skipped)
             self.run_seconds = max(self.run_seconds, seconds)
@@ -107,7 +109,19 @@ class TransferHandle(Completion):
             if not self._errors:
                 self.nbytes = self._reported
             callbacks = self._mark_done()
+        if self._slots is not None:
+            self._slots.release(self.task_id)
         self._release(callbacks)
+
+    def _settle(self, rank, ok: bool):
+        """A layer-by-layer task: the rank's waiters (a worker's by task id) learn its outcome at once."""
+        if self._layers is None:
+            return
+        signals, _, _, _, claims = self._layers
+        try:
+            SlotClaims.settle(getattr(signals, claims), rank, self.task_id, ok)
+        except (AttributeError, IndexError, TypeError):
+            pass            # the signals are closed (the backend is closing) or resized past the rank
 
     @property
     def error(self) -> str | None:
@@ -117,10 +131,12 @@ class TransferHandle(Completion):
         detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(self._errors.items()))
         return f"task {self.task_id} ({self.kind}) failed on {detail}"
 
-    def publishes_layers(self, signals, ranks, layers: int, slots=None):
-        """Set by the backend on a layer-by-layer swap-in (or a weight stream, published in `slots`) before it
-        is sent."""
-        self._layers = (signals, list(ranks), layers, slots)
+    def publishes_layers(self, signals, ranks, layers: int, slots: SlotClaims, table: str = "layer_ready",
+                         claims: str = "layer_claims"):
+        """Set by the backend on a layer-by-layer swap-in (or a weight stream, published in the signals named
+        `table` and `claims`) whose id `slots` claimed, before it is sent."""
+        self._layers = (signals, list(ranks), layers, table, claims)
+        self._slots = slots
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> "TransferHandle":
         """Of a swap_in(..., layerwise=True): wait until `layer`'s rows are in place on every rank (layers
@@ -128,17 +144,22 @@ class TransferHandle(Completion):
         fails (every waiter wakes with it), TimeoutError after `timeout` seconds."""
         if self._layers is None:
             raise ValueError("wait_layer needs a layer-by-layer swap-in: swap_in(..., layerwise=True)")
-        signals, ranks, layers, slots = self._layers
+        signals, ranks, layers, table, claims = self._layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
             raise ValueError(f"layer must be an int in [0, {layers}), got {layer!r}")
         if self.done():
             return self.result()
         try:
             wait_layer(signals, ranks, self.task_id, layer, timeout,
-                       failed=lambda: self.error if self.done() else None, slots=slots)
+                       failed=lambda: self.error if self.done() else None, slots=getattr(signals, table),
+                       claims=getattr(signals, claims))
         except TransferError:
             if self._event.wait(REPORT_WAIT_S):     # a rank marked the task failed: raise its report, which says why
                 self.result()
+            raise
+        except ValueError:
+            if self.done():         # finished, and its slot serves a later task already: the handle knows
+                return self.result()
             raise
         return self
 

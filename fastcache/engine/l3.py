@@ -2,7 +2,8 @@
 
 The bytes never pass through the engine: each transfer manager puts or fetches its own rank's slice
 (CPU_TO_STORE, STORE_TO_CPU tasks). The engine only asks the store which objects exist, through a client
-of its own opened on first use.
+of its own in a child process (store/remote.py), started on first use: a hung store costs a call at most
+QUERY_TIMEOUT seconds and never stalls the engine's other threads.
 """
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import threading
 
 import numpy as np
 
+from ..errors import TransferError
 from ..ipc import protocol
-from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, open_store, parse_store_url
+from ..store import ObjectKeys, StoreURL, as_hashes, check_namespace, fingerprint, parse_store_url
+from ..store.remote import RemoteStore
 from .handle import TransferHandle
 from .ids import as_cpu_ids
 
@@ -22,8 +25,8 @@ class StoreTasks:
 
     def _init_store_tasks(self, store: str | None):
         self.store_url = parse_store_url(store) if store is not None else None
-        self._store = None                      # the engine's own client, opened on first use
-        self._store_lock = threading.Lock()     # per backend: opening a store can take seconds (a dead master)
+        self._store = None                      # the engine's own client (a child process), made on first use
+        self._store_lock = threading.Lock()
 
     def cpu_to_store(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
         """Put CPU block cpu_block_ids[i] of every rank into the store as the object of hashes[i]."""
@@ -37,7 +40,7 @@ class StoreTasks:
 
     def store_contains(self, namespace: str, hashes) -> np.ndarray:
         """A bool per hash: does the store hold its object for every rank? (Existence only: a fetch still
-        checks each header.)"""
+        checks each header.) StoreError if the store does not answer within QUERY_TIMEOUT seconds."""
         hashes, keys = self._store_keys(namespace, hashes)
         return self._store_client().exists_every_rank(keys, hashes)
 
@@ -76,8 +79,10 @@ class StoreTasks:
 
     def _store_client(self):
         with self._store_lock:
+            if getattr(self, "_closed", False):     # a cache's probe after close must not start a new client
+                raise TransferError("the backend is closed")
             if self._store is None:
-                self._store = open_store(self.store_url)
+                self._store = RemoteStore(self.store_url.url)
             return self._store
 
     def _close_store(self):

@@ -239,10 +239,12 @@ class ReshardPhase:
         """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
         self._tiered_caches.add(cache)
 
-    def _close_caches(self):
-        """Before the transfer managers stop: each cache's puts in flight land (bounded) or are reported."""
+    def _close_caches(self, timeout: float = 30.0):
+        """Before the transfer managers stop: each cache's puts in flight land (within timeout seconds, all
+        caches together) or are reported."""
+        deadline = time.monotonic() + timeout
         for cache in list(self._tiered_caches):
-            cache.close()
+            cache.close(max(0.0, deadline - time.monotonic()))
 
     def _wait_caches_quiet(self, deadline):
         """A TieredCache call past its checks may hold CPU block ids it has yet to submit (its submission is

@@ -234,7 +234,7 @@ class TieredCache(L3Tier):
         lost = self.flush(timeout) if self._l3 else 0
         if lost:
             log.warning("TieredCache %r: %d blocks did not reach the store %s before close (failed, skipped by a "
-                        "full store, or still in flight after %s s)", self._namespace, lost, self.backend.store_url,
+                        "full store, or still in flight after %.1f s)", self._namespace, lost, self.backend.store_url.url,
                         timeout)
         with self._lock:
             if self._closed:

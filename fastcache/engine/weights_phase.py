@@ -85,8 +85,10 @@ class WeightPhases:
         if not layers:
             raise ValueError("no layer of this deployment is offloaded: nothing to stream")
         gpu = [layout.block_of(layer) for layer in layers]
-        handle = self._new_task(protocol.SWAP_TO_GPU, layout.task_bytes(gpu) * self.tp_size, "weight stream")
-        handle.publishes_layers(self.signals, range(self.tp_size), len(layers), slots=self.signals.weight_layers)
+        handle = self._new_task(protocol.SWAP_TO_GPU, layout.task_bytes(gpu) * self.tp_size, "weight stream",
+                                self._weight_slots, "weight_claims")
+        handle.publishes_layers(self.signals, range(self.tp_size), len(layers), self._weight_slots,
+                                "weight_layers", "weight_claims")
         return self._send_weights(handle, gpu, layers, layerwise=True, ring=layout.ring_slots)
 
     def _weights_task(self, kind, blocks, what, deadline):

@@ -39,6 +39,7 @@ SCHEMAS = {
     "phase_done": {"phase": str, "rank": int, "copy_seconds": float},   # copy_seconds: a reshard move's copies
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
+    "ping": {},     # a numbered no-op: shows a rank the gap a phase command taken off its pipe left (engine/channel.py)
     "error": {"error": str},
     # messages numbered first..last never reached this rank: another process took them off its pipe
     "lost": {"rank": int, "first": int, "last": int},

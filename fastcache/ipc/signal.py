@@ -40,12 +40,18 @@ class IPCSignal:
         self.value = self._seg.array(self.value.dtype, shape)
         return self.value
 
+    def whole(self) -> np.ndarray:
+        """The signal over every rank its segment has room for (the creator's capacity), whatever the view."""
+        row = self.value.shape[1:]
+        row_bytes = int(np.prod(row)) * self.value.dtype.itemsize
+        return self._seg.array(self.value.dtype, (self._seg.size // row_bytes, *row))
+
     def close(self):
         self.value = None
         self._seg.close()
 
 
-LAYER_SLOTS = 64         # layer-by-layer swap-ins a rank publishes at once (slot: task id modulo this)
+LAYER_SLOTS = 64         # layer-by-layer tasks in flight at once (slot: task id modulo this; ipc/layers.py)
 # ipc_events columns: who exported which interprocess CUDA events (ops/cuda_events.py)
 EVENTS_LAYERS, EVENTS_WEIGHTS, EVENTS_RING_FREE = 0, 1, 2
 
@@ -59,6 +65,8 @@ SIGNALS = {
     "task_received": (lambda tp: (tp,), np.int64),      # the last message number each transfer manager read
     # layer-by-layer swap-ins (ipc/layers.py): per rank and slot, [task id, layers in place, layers recorded]
     "layer_ready": (lambda tp: (tp, LAYER_SLOTS, 3), np.int64),
+    # written by the engine only: per rank and slot [task id it claimed the slot for, outcome on that rank]
+    "layer_claims": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
     # reshard (docs/design.md §9): [sequence, stage, from tp, to tp, attempt], and per rank [sequence, progress] of its
     # journal; the attempt is written last, so a reader that sees it new sees the rest new too
     "reshard_state": (lambda tp: (5,), np.int64),
@@ -69,6 +77,7 @@ SIGNALS = {
     "weights_ready": (lambda tp: (tp, 2), np.int32),
     "sleep_level": (lambda tp: (1,), np.int32),
     "weight_layers": (lambda tp: (tp, LAYER_SLOTS, 3), np.int64),
+    "weight_claims": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
     "weight_ring": (lambda tp: (tp, 2), np.int64),
     # cuda (docs/design.md §11): per rank the generation (0: none) of the interprocess events exported for
     # [layer_ready (transfer manager), weight_layers (transfer manager), ring slots freed (worker)]
@@ -97,6 +106,10 @@ class DeploymentSignals:
         for name, sig in self._signals.items():
             setattr(self, name, sig.view(SIGNALS[name][0](tp_size)))
         self.tp_size = tp_size
+
+    def whole(self, name: str) -> np.ndarray:
+        """Signal `name` over every rank its segment has room for (a reshard may view more ranks later)."""
+        return self._signals[name].whole()
 
     @property
     def status(self) -> int:

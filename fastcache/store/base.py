@@ -49,10 +49,13 @@ class BlockStore(ABC):
         those are later misses, not errors). Raises StoreError when the store itself fails."""
 
     @abstractmethod
-    def get(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray) -> np.ndarray:
+    def get(self, keys: ObjectKeys, hashes: np.ndarray, cpu_ids: np.ndarray, foreign: np.ndarray | None = None
+            ) -> np.ndarray:
         """Fetch the object of hashes[i] into CPU block cpu_ids[i]; returns a bool hit per hash. A missing
         object, or one whose header or checksum does not match, is a miss, and that CPU block's bytes are
-        then undefined. Raises StoreError when the store itself fails."""
+        then undefined. An object this engine cannot authenticate (keys.FOREIGN: another key's) is a miss
+        left in the store, and marked True in `foreign` (a bool per hash) when given; a corrupt one is
+        removed. Raises StoreError when the store itself fails."""
 
     @abstractmethod
     def exists(self, keys: ObjectKeys, hashes: np.ndarray) -> np.ndarray:

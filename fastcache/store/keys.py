@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 
 from ..config import CacheSpec, check_namespace
+from .seal import SEALED_MAGIC
 
 FORMAT = 2                                  # bump when the object layout or the fingerprint inputs change
 MAGIC = b"FCL3OBJ%d" % FORMAT
@@ -24,6 +25,12 @@ MAGIC = b"FCL3OBJ%d" % FORMAT
 HEADER = struct.Struct("<8sIIQQQ8s16s")
 HEADER_BYTES = 64
 assert HEADER.size == HEADER_BYTES
+# what a fetch makes of an object found under a key: this key's object; one this engine cannot authenticate
+# (sealed under another key, or sealed while this engine has no key), never removed since it may well be
+# another deployment's; or one that is provably not what its key names, removed so a put can replace it
+OK, FOREIGN, CORRUPT = "ok", "foreign", "corrupt"
+
+
 def as_hashes(hashes, label="hashes") -> np.ndarray:
     """Block hashes as a 1-D uint64 array: any integer sequence or array; negative values are taken as
     the bits of an int64 (engines often hash into signed 64-bit ints)."""
@@ -104,9 +111,19 @@ class ObjectKeys:
     def open(self, h: int, header, payload) -> bool:
         """Is this fetched object (payload, header) the one of hash h? With a key it is authenticated and
         decrypted in place; a False leaves payload undefined."""
+        return self.verdict(h, header, payload) == OK
+
+    def verdict(self, h: int, header, payload) -> str:
+        """OK, FOREIGN or CORRUPT (see above) for a fetched object of the right size; OK decrypts in place."""
         if self.sealer is not None:
-            return self.sealer.open(self.rank, int(h), header, payload, self._fp, self._ns)
-        return self.matches(h, header, payload)
+            return OK if self.sealer.open(self.rank, int(h), header, payload, self._fp, self._ns) else FOREIGN
+        if bytes(header[:len(SEALED_MAGIC)]) == SEALED_MAGIC:
+            return FOREIGN
+        return OK if self.matches(h, header, payload) else CORRUPT
+
+    def wrong_size(self) -> str:
+        """The verdict on an object of the wrong size: with a key it cannot be authenticated, so it is left."""
+        return FOREIGN if self.sealer is not None else CORRUPT
 
     def matches(self, h: int, header, payload) -> bool:
         """Does this header describe exactly this key, and does the payload have its length and checksum?"""

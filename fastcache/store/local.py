@@ -11,13 +11,18 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 from urllib.parse import quote
 
 import numpy as np
 import psutil
 
 from .base import BlockStore, StoreError
-from .keys import HEADER_BYTES, ObjectKeys
+from .keys import CORRUPT, FOREIGN, HEADER_BYTES, OK, ObjectKeys
+
+
+class NotRegularFile(OSError):
+    """What stands where an object belongs is no regular file."""
 
 
 class FileStore(BlockStore):
@@ -72,7 +77,7 @@ class FileStore(BlockStore):
                 try:
                     os.replace(tmp, final)      # atomic: readers see the old object or the new one
                 except IsADirectoryError:       # no object: replaced, as a corrupt one is
-                    self._remove_directory(final)
+                    self._remove_in_the_way(final)
                     os.replace(tmp, final)
             except OSError as exc:
                 _unlink(tmp)
@@ -82,35 +87,52 @@ class FileStore(BlockStore):
                 raise
         return 0                    # a full disk is an error here: nothing evicts to make room
 
-    def get(self, keys, hashes, cpu_ids):
+    def get(self, keys, hashes, cpu_ids, foreign=None):
         base = self._dir(keys)
         hits = np.zeros(len(hashes), bool)
         for i, (h, c) in enumerate(zip(hashes.tolist(), cpu_ids.tolist())):
             row = self.tier[c]
             path = self.object_path(keys, h, base)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    n = _read_into(f, memoryview(row))
-                    header = f.read(HEADER_BYTES + 1)           # a longer file is not this object
-                    whole = n == len(row) and len(header) == HEADER_BYTES
+                whole, header = self._read_object(path, row)
             except FileNotFoundError:
                 continue
-            except IsADirectoryError:   # a directory is no object: corrupt, removed so that a put can write it
-                self._remove_directory(path)
+            except NotRegularFile:      # a directory, a FIFO, a device: no object; removed so that a put can write it
+                self._remove_in_the_way(path)
                 continue
             except OSError as exc:
                 raise StoreError(f"store {self.url}: reading {path} failed: {exc}") from None
-            hits[i] = whole and keys.open(h, header, row)
-            if not hits[i]:         # foreign or corrupt: removed, so that lookups stop counting it
+            verdict = keys.verdict(h, header, row) if whole else keys.wrong_size()
+            hits[i] = verdict == OK
+            if verdict == CORRUPT:      # removed, so that lookups stop counting it
                 _unlink(path)
+            elif verdict == FOREIGN and foreign is not None:
+                foreign[i] = True
         return hits
 
-    def _remove_directory(self, path):
+    @staticmethod
+    def _read_object(path, row) -> tuple[bool, bytes]:
+        """Read the object at path into row: (is it exactly block and header, its header). Only a regular file
+        is read, and it is opened without blocking: a FIFO or a device where an object belongs would
+        otherwise hang the rank's store lane (NotRegularFile instead)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            if os.path.islink(path):        # a link to a directory: the link is what stands in the way
-                os.unlink(path)
-            else:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegularFile(path)
+            with open(fd, "rb", buffering=0, closefd=False) as f:
+                n = _read_into(f, memoryview(row))
+                header = f.read(HEADER_BYTES + 1)           # a longer file is not this object
+        finally:
+            os.close(fd)
+        return n == len(row) and len(header) == HEADER_BYTES, header
+
+    def _remove_in_the_way(self, path):
+        """Remove what stands where an object belongs and is no regular file (a directory, a link, a FIFO)."""
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
+            else:                           # a link (to a directory or anything), a FIFO, a device
+                os.unlink(path)
         except FileNotFoundError:           # another reader removed it first
             pass
         except OSError as exc:

@@ -8,7 +8,8 @@ TCP transport a slice per object (about 15% of a 512 KiB get on loopback).
 A fetch writes the payload into its CPU block before the header is checked, so the caller must treat
 that block as garbage on a miss (TieredCache loads L3 hits only into blocks nobody else can see yet).
 Mooncake keeps an existing object on a second put of its key: keys are content addresses, so the
-object is the same (a mismatching one is removed when a fetch finds it).
+object is the same (a corrupt one is removed when a fetch finds it; one this engine cannot authenticate,
+another key's, is left alone).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import os
 import numpy as np
 
 from .base import BlockStore, StoreError
-from .keys import HEADER_BYTES
+from .keys import CORRUPT, FOREIGN, HEADER_BYTES, OK
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that we name or treat specially
 CODES = {-10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
@@ -39,6 +40,9 @@ FULL_CODES = {-200}
 # get on loopback. Larger tasks go in parts whose checksums overlap the next part's transfer.
 BATCH_OBJECTS = 1024
 SEAL_BYTES = 16 << 20        # a sealed put's part: ciphertexts staged in one of two registered buffers
+# Mooncake's timeout of a call to the master (its default is 30 s). `setup` holds the GIL while it waits for
+# a master that does not answer: this bounds that stall of a transfer manager well below its heartbeat timeout
+RPC_TIMEOUT_MS = 3000
 
 
 def set_environment(protocol: str, local_hostname: str):
@@ -49,6 +53,7 @@ def set_environment(protocol: str, local_hostname: str):
         # parallel connections per peer: +40-70% put/get on loopback here, for fastcache and raw clients alike
         os.environ.setdefault("MC_TCP_LANES_PER_PEER", "4")
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")   # a dead master fails setup in ~4 s, not 90
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))   # a hung master fails a call in 3 s, not 30
     os.environ.setdefault("GLOG_minloglevel", "1")             # Mooncake's INFO lines drown our logs
 
 
@@ -146,7 +151,7 @@ class MooncakeStore(BlockStore):
         self._pipelined(parts, prepare, self._client.batch_put_from, finish)
         return full
 
-    def get(self, keys, hashes, cpu_ids):
+    def get(self, keys, hashes, cpu_ids, foreign=None):
         hashes, cpu_ids = hashes.tolist(), cpu_ids.tolist()
         whole = HEADER_BYTES + self.tier.shape[1]
         hits, bad = np.zeros(len(hashes), bool), []
@@ -157,16 +162,21 @@ class MooncakeStore(BlockStore):
         def finish(part, job, codes):       # checksums of this part, while the next one moves
             for i, (name, h, c, code) in enumerate(zip(job[0], hashes[part], cpu_ids[part], codes)):
                 if code == whole:
-                    hits[part.start + i] = keys.open(h, self.headers[c], self.tier[c])
-                    if not hits[part.start + i]:
-                        bad.append(name)
+                    verdict = keys.verdict(h, self.headers[c], self.tier[c])
                 elif code >= 0 or (code in SIZE_CODES and self._other_size(name, whole)):
-                    bad.append(name)                # an object of another size: not ours
-                elif code not in MISS_CODES:
+                    verdict = keys.wrong_size()     # an object of another size: not ours
+                elif code in MISS_CODES:
+                    continue
+                else:
                     raise StoreError(f"store {self.url}: get of {name} failed: {_name(code)}")
+                hits[part.start + i] = verdict == OK
+                if verdict == CORRUPT:
+                    bad.append(name)
+                elif verdict == FOREIGN and foreign is not None:
+                    foreign[part.start + i] = True
 
         self._pipelined(self._chunks(len(hashes)), prepare, self._client.batch_get_into, finish)
-        if bad:     # foreign or corrupt objects under our keys: removed, so that a put can replace them
+        if bad:     # corrupt objects under our keys: removed, so that a put can replace them
             self._client.batch_remove(bad, True)
         return hits
 

@@ -11,9 +11,12 @@ and the geometry fingerprint. The associated data binds magic, rank, hash, lengt
 namespace's digest, so none of them can be swapped without the tag failing. Random nonces are safe for
 about 2**32 objects per key: rotate the key (and the namespace) well before that.
 
-The key lives in a file (`key_file=PATH` in the store URL): 32 bytes, raw or as 64 hex digits, readable
-by its owner only. Its path travels in the URL; the key itself never appears in a URL, an argument or a
-log.
+The key lives in a file (`key_file=PATH` in the store URL): 32 random bytes, raw or as 64 hex digits
+(`head -c 32 /dev/urandom > key`), readable by its owner only. A key that is plainly not random is
+refused: 32 raw bytes that are all printable text (a password, or hex digits of 16 bytes), or a key with
+fewer than MIN_DISTINCT_BYTES distinct byte values (zeros, a repeated pattern), which random keys have
+with a probability below 1e-14. Its path travels in the URL; the key itself never appears in a URL, an
+argument or a log.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 KEY_BYTES = 32
+MIN_DISTINCT_BYTES = 16     # 32 random bytes hold about 30 distinct values; fewer than 16: not random
 NONCE_BYTES = 12
 TAG_BYTES = 16
 SEALED_FORMAT = 1
@@ -51,13 +55,24 @@ def load_key(path: str) -> bytes:
                          f"chmod 600 it")
     text = raw.strip()
     if len(raw) == KEY_BYTES:
-        return raw
+        return _random_looking(path, raw)
     try:
         key = bytes.fromhex(text.decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         key = b""
     if len(key) != KEY_BYTES:
         raise ValueError(f"key_file {path!r} must hold {KEY_BYTES} bytes, raw or as {2 * KEY_BYTES} hex digits")
+    return _random_looking(path, key)
+
+
+def _random_looking(path, key: bytes) -> bytes:
+    if all(0x20 <= b < 0x7f for b in key):
+        raise ValueError(f"key_file {path!r} holds {KEY_BYTES} characters of text, not a key: write "
+                         f"{KEY_BYTES} random bytes (head -c {KEY_BYTES} /dev/urandom) or their "
+                         f"{2 * KEY_BYTES} hex digits")
+    if len(set(key)) < MIN_DISTINCT_BYTES:
+        raise ValueError(f"key_file {path!r} holds a low-entropy key ({len(set(key))} distinct byte values): "
+                         f"write {KEY_BYTES} random bytes (head -c {KEY_BYTES} /dev/urandom)")
     return key
 
 

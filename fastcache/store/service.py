@@ -104,6 +104,19 @@ class MooncakeService:
             self.master.wait()
             self.master = None
 
+    def suspend(self, which: str):
+        """SIGSTOP the master or the memory server ("master" | "server"): a hung host, as tests need one."""
+        os.kill(self._process(which).pid, signal.SIGSTOP)
+
+    def resume(self, which: str):
+        os.kill(self._process(which).pid, signal.SIGCONT)
+
+    def _process(self, which):
+        proc = {"master": self.master, "server": self.server}[which]
+        if proc is None:
+            raise StoreError(f"this service runs no {which}")
+        return proc
+
     def _spawn(self, name, cmd):
         env = {**os.environ, "MC_FORCE_TCP": "true", "MC_TCP_BIND_ADDRESS": self.host}
         with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log:
@@ -128,6 +141,7 @@ class MooncakeService:
     def stop(self):
         for proc in (self.server, self.master):
             if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)        # a suspended process handles SIGTERM only once resumed
                 proc.terminate()
                 try:
                     proc.wait(5)

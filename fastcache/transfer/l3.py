@@ -42,6 +42,7 @@ class StoreIO:
         self._keys = {}                 # (namespace, fingerprint) -> ObjectKeys
         self._lock = threading.Lock()   # both L3 executor threads may open the store
         self.skipped_full = 0           # objects a full store did not take
+        self.unauthenticated = 0        # fetched objects this rank could not authenticate (left in the store)
         self._full_logged = -60.0
 
     def run(self, task: StoreTask, blocks: np.ndarray, spec: CacheSpec, tp_size: int) -> tuple[int, int]:
@@ -58,12 +59,24 @@ class StoreIO:
                 self._note_full(full, len(task.cpu_ids))
             return (len(task.cpu_ids) - full) * spec.cpu_block_bytes, full
         else:
-            hits = store.get(keys, task.hashes, task.cpu_ids)
+            foreign = np.zeros(len(task.hashes), bool)
+            hits = store.get(keys, task.hashes, task.cpu_ids, foreign)
             if not hits.all():
                 raise StoreError(f"{MISS}: store {self.url}: {int((~hits).sum())} of {len(hits)} objects missing "
                                  f"or not matching their header (evicted, foreign or corrupt), e.g. hash "
-                                 f"{int(task.hashes[~hits][0]):#018x}")
+                                 f"{int(task.hashes[~hits][0]):#018x}{self._note_foreign(int(foreign.sum()))}")
         return len(task.cpu_ids) * spec.cpu_block_bytes, 0
+
+    def _note_foreign(self, n) -> str:
+        """Objects that failed authentication: counted apart and left in the store, since a wrong key (this
+        deployment's or the writer's) is no proof of corruption. Logged once; returns the error's words."""
+        if not n:
+            return ""
+        self.unauthenticated += n
+        if self.unauthenticated == n:
+            log.warning("rank %d: store %s holds objects this rank cannot authenticate: wrong key or foreign object "
+                        "(check key_file); they are misses and stay in the store", self.rank, self.url)
+        return f"; {n} of them failed authentication (wrong key or foreign object; left in the store)"
 
     def _note_full(self, n, asked):
         """Puts a full store skipped: later misses, not errors. The first is a WARNING naming the likely

@@ -13,6 +13,8 @@ from ..ipc.barrier import phase_barrier, worker_party
 from ..errors import TransferError
 from ..ipc.heartbeat import Heartbeat
 from ..ipc.manifest import write_manifest
+from ..ipc.naming import segment_name
+from ..ipc.shm import SegmentError, SharedSegment, creator_alive, read_creator, unlink
 from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
@@ -29,6 +31,25 @@ _LOCAL_WORKERS: dict[str, list] = {}
 def close_local_workers(suffix: str):
     for worker in list(_LOCAL_WORKERS.pop(suffix, [])):
         worker.close()
+
+
+def claim_rank(suffix: str, rank: int) -> SharedSegment:
+    """A segment only one live worker of a deployment's rank can hold: a second worker would export over the
+    first one's tensors and take its place in the phase barrier. The claim of a worker that died passes on."""
+    name = segment_name(suffix, f"worker_rank{rank}")
+    try:
+        return SharedSegment.create(name, 8, suffix)
+    except SegmentError:
+        pass
+    try:
+        pid, start, _ = read_creator(name)
+    except (OSError, SegmentError):
+        pid, start = 0, 0.0
+    if creator_alive(pid, start):
+        raise TransferError(f"rank {rank} of deployment {suffix} has a live worker already (pid {pid}); close it "
+                            f"before starting another for that rank")
+    unlink(name)
+    return SharedSegment.create(name, 8, suffix)
 
 
 class CacheWorker:
@@ -56,6 +77,7 @@ class CacheWorker:
         self._thread = None
         self.signals = self.barrier = None
         self._reshard = ReshardFollower(self)       # docs/design.md §9: follows reshard steps on the watch thread
+        self._rank_claim = None                     # while started: this process serves the rank (claim_rank)
         self.weights = None                         # WorkerWeights once registered (docs/design.md §11)
         self.layer_waits = None                     # LayerWaits once started
 
@@ -74,7 +96,16 @@ class CacheWorker:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self):
-        """Allocate and export the cache, set cache_ready[r]=1, and start beating."""
+        """Allocate and export the cache, set cache_ready[r]=1, and start beating. TransferError, before anything
+        is touched, if a live worker holds this rank of the deployment already."""
+        self._rank_claim = claim_rank(self.suffix, self.rank)
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self):
         self.signals = DeploymentSignals(self.suffix, self.tp_size)
         self.barrier = phase_barrier(self.suffix, self.tp_size)
         self.barrier.register(self.party)
@@ -171,11 +202,14 @@ class CacheWorker:
         queued the layer's copy, with the stream made to wait for it, so kernels queued on the stream next
         read the layer's bytes and the host never waits for the copy; external=True while the stream is being
         captured into a CUDA graph (docs/design.md §11). On sim a stream is ignored (a host wait).
-        Raises TransferError naming the rank if the task fails there or its transfer manager stops beating
-        meanwhile, TimeoutError after `timeout` seconds."""
+        Raises ValueError at once for a layer outside the cache or a task id the engine did not submit as a
+        layer-by-layer swap-in (or whose slot a later one took), TransferError naming the rank as soon as the
+        task fails there (before its layers start too) or its transfer manager stops beating, TimeoutError
+        after `timeout` seconds."""
         if self.signals is None:
             raise TransferError("the worker is not started")
-        self.layer_waits.wait(task_id, layer, timeout, stream=stream, external=external)
+        self.layer_waits.wait(task_id, layer, timeout, stream=stream, external=external,
+                              layers=self.spec.total_layers)
 
     def register_weights(self, layout) -> "WorkerWeights":
         """Allocate and export the model's weights beside the cache (docs/design.md §11): `layout` is the
@@ -203,11 +237,16 @@ class CacheWorker:
                 if self.weights.allocated:
                     self.weights.release()
                 self.weights.close_events()
-            self.layer_waits.close()
+            if self.layer_waits is not None:
+                self.layer_waits.close()
             self.signals.worker_heartbeat[self.rank] = 0
-            self.barrier.close()
+            if self.barrier is not None:
+                self.barrier.close()
             self.signals.close()
             self.signals = None
+        claim, self._rank_claim = self._rank_claim, None
+        if claim is not None:           # last: the rank is free for another worker only once this one let go
+            claim.close()
 
     def __enter__(self):
         return self.start()

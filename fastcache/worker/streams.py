@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import TransferError
-from ..ipc.layers import RECORDED, layers_in_place, wait_layer
+from ..ipc.layers import RECORDED, check_wait, layers_in_place, wait_layer
 from ..ipc.shm import SegmentError
 from ..ipc.signal import EVENTS_LAYERS, EVENTS_WEIGHTS
 
@@ -28,10 +28,12 @@ class LayerWaits:
         self._lock = threading.Lock()
 
     def wait(self, task_id: int, layer: int, timeout: float | None, stream=None, slots=None,
-             column: int = EVENTS_LAYERS, external: bool = False):
-        """Layer `layer` of task_id (published in `slots`, its events announced in ipc_events[rank, column]).
+             column: int = EVENTS_LAYERS, external: bool = False, claims=None, layers: int | None = None):
+        """Layer `layer` of task_id (published in `slots`, claimed by the engine in `claims`, its events
+        announced in ipc_events[rank, column]), of `layers`. ValueError for a layer or task no wait can be for;
         TransferError naming the rank if the task fails or the transfer manager stops beating; TimeoutError."""
-        common = dict(heartbeat_timeout=self.transfer_timeout, slots=slots)
+        check_wait(task_id, layer, layers)
+        common = dict(heartbeat_timeout=self.transfer_timeout, slots=slots, claims=claims)
         if stream is None or not self.cuda:
             wait_layer(self.signals, [self.rank], task_id, layer, timeout, **common)
             return
@@ -43,7 +45,8 @@ class LayerWaits:
             return
         wait_layer(self.signals, [self.rank], task_id, layer, timeout, field=RECORDED, **common)
         slots = self.signals.layer_ready if slots is None else slots
-        if not external and layers_in_place(slots, self.rank, task_id) > layer:
+        claims = self.signals.layer_claims if claims is None else claims
+        if not external and layers_in_place(slots, self.rank, task_id, claims=claims) > layer:
             return                  # landed already (or the task is over): nothing to order
         # (a graph being captured always gets the wait node: it is launched again for later tasks)
         try:

@@ -142,6 +142,7 @@ class Forward:
         self.stream, self.external = stream, external
         self._free = self._stream_pointer = None
         self._unfreed = []          # (stream index, device block) read through the stream, slot not yet freed
+        self._moved_on = 0          # streamed layers before this one are done with: their slots may be refilled
         if stream is not None and layout.streamed_layers and weights.worker.ops.name == "cuda":
             from ..ops.cuda_events import stream_pointer
             self._stream_pointer = stream_pointer(stream)
@@ -149,8 +150,18 @@ class Forward:
 
     def __enter__(self):
         if self.weights.layout.streamed_layers:
+            self._check_newest()
             ring.begin(self.signals.weight_ring, self.rank, self.task_id)
         return self
+
+    def _check_newest(self):
+        """A forward over a later stream has begun: the transfer manager then fills the ring for that one, and
+        an older stream's layers are no longer where this forward would read them."""
+        began = int(self.signals.weight_ring[self.rank, 0])
+        if began > self.task_id:
+            raise ValueError(f"rank {self.rank}: a forward over weight stream {began} has begun, so stream "
+                             f"{self.task_id} is stale (its slots hold the later stream's layers); run each "
+                             f"stream's forward in the order stream_weights() returned them")
 
     def __exit__(self, *exc):
         if self.weights.layout.streamed_layers:
@@ -179,12 +190,20 @@ class Forward:
             raise TransferError(f"rank {self.rank}: the weights are not allocated (the deployment sleeps)")
         block = layout.block_of(layer)
         index = layer - layout.resident_layers          # its place in the stream, when streamed
+        if 0 <= index < self._moved_on:
+            raise ValueError(f"layer {layer} is read after layer {layout.resident_layers + self._moved_on}: its ring "
+                             f"slot may hold a later layer already; a forward reads its streamed layers in order")
         if layout.streamed_layers:
+            if int(self.signals.weight_ring[self.rank, 0]) != self.task_id:
+                raise ValueError(f"rank {self.rank}: a forward over another weight stream began inside this one "
+                                 f"(stream {self.task_id}); its slots are refilled for that one")
+            self._moved_on = max(self._moved_on, index)
             self._free_slots_before(max(0, index))
             ring.done_with(self.signals.weight_ring, self.rank, self.task_id, max(0, index))
         if index >= 0:
             w.worker.layer_waits.wait(self.task_id, index, self.timeout, stream=self.stream,
-                                      slots=self.signals.weight_layers, column=EVENTS_WEIGHTS, external=self.external)
+                                      slots=self.signals.weight_layers, column=EVENTS_WEIGHTS, external=self.external,
+                                      claims=self.signals.weight_claims, layers=len(layout.streamed_layers))
             if self._free is not None and (index, block) not in self._unfreed:
                 self._unfreed.append((index, block))
         return w.block(block)

@@ -1,0 +1,67 @@
+"""python -m fastcache.store.querier URL: the engine's store client, in a process of its own (remote.py).
+
+Opens the store, says so (or why not) on stdout, then answers one question at a time from stdin until
+stdin ends. It exits when its parent process does (a thread watches; PR_SET_PDEATHSIG would fire when the
+engine thread that started it ends), so an engine that is killed leaves no querier behind.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import numpy as np
+
+from .base import StoreError
+from .keys import ObjectKeys
+from .remote import read_message, write_message
+from .url import open_store
+
+ORPHAN_CHECK = 0.5          # seconds between checks that the parent is still there
+
+
+def main(argv) -> int:
+    if len(argv) != 1:
+        print("usage: python -m fastcache.store.querier STORE_URL", file=sys.stderr)
+        return 2
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    inp, out = sys.stdin.fileno(), sys.stdout.fileno()
+    try:
+        store = open_store(argv[0])
+    except (StoreError, ValueError) as exc:
+        write_message(out, {"error": str(exc)})
+        return 1
+    write_message(out, {"ready": True})
+    try:
+        while True:
+            try:
+                header, payload = read_message(inp)
+            except EOFError:
+                return 0
+            try:
+                keys = [ObjectKeys(header["namespace"], header["fingerprint"], int(rank)) for rank in header["ranks"]]
+                hashes = np.frombuffer(payload, np.uint64)
+                if header["op"] == "exists":
+                    answer = store.exists_every_rank(keys, hashes).astype(np.uint8).tobytes()
+                elif header["op"] == "remove":
+                    for rank_keys in keys:
+                        store.remove(rank_keys, hashes)
+                    answer = b""
+                else:
+                    raise ValueError(f"unknown question {header['op']!r}")
+            except (StoreError, ValueError, KeyError, TypeError) as exc:
+                write_message(out, {"error": str(exc)})
+                continue
+            write_message(out, {"ok": True}, answer)
+    finally:
+        store.close()
+
+
+def _exit_with_parent(parent: int):
+    while os.getppid() == parent:
+        threading.Event().wait(ORPHAN_CHECK)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,113 @@
+"""The engine's store client in a child process (fastcache/store/remote.py): the same answers as the store,
+a bound on every call whatever the child does, and no child left behind by an engine that dies."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import small_spec, wait_for
+from fastcache.store import ObjectKeys, StoreError, as_hashes, fingerprint, open_store
+from fastcache.store.remote import RemoteStore
+
+SPEC = small_spec(num_cpu_blocks=16)
+
+
+def keys(rank, namespace="remote/0"):
+    return ObjectKeys(namespace, fingerprint(SPEC, 2), rank)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    """A directory store holding random hashes for rank 0 and some of them for rank 1."""
+    rng = np.random.default_rng(80)
+    url = f"file://{tmp_path}/l3"
+    store = open_store(url)
+    store.attach(rng.integers(0, 256, (SPEC.num_cpu_blocks, SPEC.cpu_block_stride), dtype=np.uint8),
+                 SPEC.cpu_block_bytes)
+    hashes = as_hashes(rng.integers(0, 2**63, 12))
+    store.put(keys(0), hashes, np.arange(12))
+    store.put(keys(1), hashes[::2], np.arange(6))
+    yield url, store, hashes
+    store.close()
+
+
+def test_answers_are_the_stores_own(filled):
+    url, store, hashes = filled
+    remote = RemoteStore(url)
+    try:
+        both = [keys(0), keys(1)]
+        np.testing.assert_array_equal(remote.exists_every_rank(both, hashes), store.exists_every_rank(both, hashes))
+        assert remote.exists_every_rank([keys(0)], hashes).all()
+        remote.remove(keys(0), hashes[:3])
+        np.testing.assert_array_equal(store.exists(keys(0), hashes), [False] * 3 + [True] * 9)
+        assert not remote.exists_every_rank([keys(0, "remote/other")], hashes).any()
+    finally:
+        remote.close()
+
+
+def test_a_stopped_client_costs_a_call_its_bound_and_the_next_call_starts_afresh(filled):
+    url, _, hashes = filled
+    remote = RemoteStore(url, timeout=3.0)      # the bound includes starting a fresh child, on a loaded machine too
+    try:
+        assert remote.exists_every_rank([keys(0)], hashes).all()
+        stuck = remote._proc
+        os.kill(stuck.pid, signal.SIGSTOP)                  # a child stuck in a call, as on a hung master
+        began = time.monotonic()
+        with pytest.raises(StoreError, match=f"store {url}: no answer within 3 s"):
+            remote.exists_every_rank([keys(0)], hashes)
+        assert time.monotonic() - began < 4.0
+        assert stuck.poll() is not None                     # killed, not left behind
+        os.kill(remote._started(time.monotonic() + 5).pid, signal.SIGSTOP)
+        many = as_hashes(np.arange(1 << 17))                # 1 MiB: more than a pipe holds
+        began = time.monotonic()
+        with pytest.raises(StoreError, match="no answer within 3 s"):
+            remote.exists_every_rank([keys(0)], many)
+        assert time.monotonic() - began < 4.0
+        assert remote.exists_every_rank([keys(0)], hashes).all()    # a fresh child answers
+    finally:
+        remote.close()
+
+
+def test_an_unusable_store_is_a_store_error_naming_it(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    url = f"file://{tmp_path}/file/l3"                      # a file where the directory must be
+    remote = RemoteStore(url)
+    try:
+        with pytest.raises(StoreError, match=f"store {url}: cannot create"):
+            remote.exists_every_rank([keys(0)], as_hashes([1]))
+    finally:
+        remote.close()
+
+
+def test_the_client_exits_with_an_engine_that_is_killed(filled):
+    url, _, hashes = filled
+    engine = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_store_remote import keys
+        from fastcache.store.remote import RemoteStore
+        remote = RemoteStore({url!r})
+        assert remote.exists_every_rank([keys(0)], np.array({hashes.tolist()!r}, np.uint64)).all()
+        print(remote._proc.pid, flush=True)
+        sys.stdin.read()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(engine.stdout.readline())
+        assert psutil.pid_exists(child)
+        engine.kill()
+        engine.wait()
+        wait_for(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
+                 10, "the store client's exit")
+    finally:
+        engine.kill()
+        engine.wait()
+        engine.stdin.close()
+        engine.stdout.close()
