@@ -5,9 +5,16 @@ import numpy as np
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec
 
 
-def rank_namespace(namespace: str, generation: int, rank: int, world_size: int) -> str:
+def rank_namespace(namespace: str, generation: int, rank: int, world_size: int, reset_scope: str | None = None) -> str:
     """L3 namespace of one worker rank's slices: each vLLM worker runs its own one-rank deployment, so the
-    rank and the weight generation (reset count) go into the name."""
+    rank and the weight generation (reset count) go into the name.
+
+    reset_scope (vLLM's engine id, under a default namespace): after a reset the weights came into this engine
+    by a path fastcache cannot see, so their KV is named by this engine alone; another engine reset as many
+    times, to other weights, must not meet it. An explicit namespace has no scope: its user promised that the
+    namespace and the reset count name the weights."""
+    if generation and reset_scope:
+        return f"{namespace}/{reset_scope}/gen{generation}/tp{world_size}r{rank}"
     return f"{namespace}/gen{generation}/tp{world_size}r{rank}"
 
 

@@ -33,8 +33,10 @@ def link_name(engine_id: str, rank: int) -> str:
 class WorkerLink:
     """A worker rank's side: created with the rank's geometry, stamps written as copies land."""
 
-    def __init__(self, engine_id: str, rank: int, spec: CacheSpec, num_chunks: int, namespace: str):
-        header = json.dumps({"spec": json.loads(spec.to_json()), "namespace": namespace}).encode()
+    def __init__(self, engine_id: str, rank: int, spec: CacheSpec, num_chunks: int, namespace: str,
+                 reset_scope: str | None = None):
+        header = json.dumps({"spec": json.loads(spec.to_json()), "namespace": namespace,
+                             "reset_scope": reset_scope}).encode()
         if len(header) > HEADER_BYTES:
             raise ValueError("link header too long")
         self.segment = SharedSegment.create(link_name(engine_id, rank), HEADER_BYTES + 8 * num_chunks,
@@ -60,6 +62,7 @@ class ManagerLinks:
         self._stamps = []
         self.spec: CacheSpec | None = None
         self.namespace: str | None = None
+        self.reset_scope: str | None = None
 
     def _attach(self):
         if self._segments is not None:
@@ -82,6 +85,7 @@ class ManagerLinks:
         raw = bytes(segments[0].array(np.uint8, (HEADER_BYTES,))).rstrip(b"\0")
         header = json.loads(raw)
         self.spec, self.namespace = CacheSpec(**header["spec"]), header["namespace"]
+        self.reset_scope = header.get("reset_scope")
         num_chunks = (segments[0].size - HEADER_BYTES) // 8
         self._stamps = [seg.array(np.uint64, (num_chunks,), HEADER_BYTES) for seg in segments]
         self._segments = segments

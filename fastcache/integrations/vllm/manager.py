@@ -188,7 +188,8 @@ class FastcacheManager(OffloadingManager):
                 if self._store is None:
                     self._store = open_store(self._store_url)
                 fp = fingerprint(spec, 1)
-                self._l3_keys = [ObjectKeys(rank_namespace(namespace, self.generation, r, self.world_size),
+                scope = self._links.reset_scope
+                self._l3_keys = [ObjectKeys(rank_namespace(namespace, self.generation, r, self.world_size, scope),
                                             fp, 0) for r in range(self.world_size)]
             hashes = block_hashes([key], self.blocks_per_chunk)
             return bool(self._store.exists_every_rank(self._l3_keys, hashes).all())

@@ -15,14 +15,25 @@ dropped), which is what the fault tests run.
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
+import uuid
+
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import OffloadingSpec
 
+from .lineage import LineageError, checkpoint_digest, default_namespace
 from .link import ManagerLinks
 from .manager import FastcacheManager
 from .options import VllmOptions
 from .worker import FastcacheWorker
+
+log = logging.getLogger("fastcache.vllm")
+
+# Load formats whose weights are the files weight_files() names (anything else cannot be named by content).
+FILE_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "mistral", "gguf"})
 
 
 class FastcacheOffloadingSpec(OffloadingSpec):
@@ -38,7 +49,7 @@ class FastcacheOffloadingSpec(OffloadingSpec):
         if self.num_chunks < 1:
             raise ValueError(f"kv_connector_extra_config: 'cpu_bytes_to_use' ({self.options.cpu_bytes_to_use}) "
                              f"holds no chunk of {per_chunk} bytes")
-        self.namespace = self.options.namespace or f"{config.model.name}/{config.model.dtype}"
+        self.namespace = self.options.namespace     # None: the weights' fingerprint, taken by the worker
         self._manager = self._worker = None
 
     def get_manager(self) -> FastcacheManager:
@@ -50,11 +61,63 @@ class FastcacheOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches) -> FastcacheWorker:
         if self._worker is None:
+            if self.namespace is None:
+                self.namespace = weights_namespace(self.config.model.name, self.config.model.dtype)
             self._worker = FastcacheWorker(kv_caches, engine_id=self.config.engine_id, rank=self.rank,
                                            world_size=self.world_size, num_chunks=self.num_chunks,
                                            blocks_per_chunk=self.blocks_per_chunk, options=self.options,
-                                           namespace=self.namespace)
+                                           namespace=self.namespace,
+                                           reset_scope=None if self.options.namespace else self.config.engine_id)
         return self._worker
+
+
+def _local_checkpoint(model: str, revision, download_dir) -> str:
+    """The local directory (or .gguf file) vLLM loaded `model` from: the path itself, or the snapshot of a
+    Hugging Face id at its revision in the local cache (vLLM downloaded it there before loading)."""
+    if os.path.exists(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, revision=revision, cache_dir=download_dir, local_files_only=True)
+    except Exception as exc:
+        raise LineageError(f"{model!r} (revision {revision!r}) is neither a local path nor in the local Hugging "
+                           f"Face cache: {type(exc).__name__}: {exc}") from None
+
+
+def weights_namespace(name: str, kv_dtype: str) -> str:
+    """The default L3 namespace: the architecture's name, then a digest of the weights' content (checkpoint_digest)
+    with the config as loaded, the dtypes and the quantization, so engines share only over the same weights.
+
+    Where the weights cannot be named by content (dummy or other non-file load formats, a model not on
+    this machine), a namespace of this engine alone: nothing is shared, nothing stale is served."""
+    from vllm.config import get_current_vllm_config_or_none
+    vllm_config = get_current_vllm_config_or_none()
+    model_config = vllm_config.model_config if vllm_config is not None else None
+    load_format = str(vllm_config.load_config.load_format) if vllm_config is not None else "auto"
+    try:
+        if load_format not in FILE_FORMATS:
+            raise LineageError(f"load_format {load_format!r} does not read the weights from checkpoint files")
+        path = model_config.model if model_config is not None else name
+        revision = model_config.revision if model_config is not None else None
+        download_dir = vllm_config.load_config.download_dir if vllm_config is not None else None
+        started = time.monotonic()
+        digest = checkpoint_digest(_local_checkpoint(path, revision, download_dir))
+        elapsed = time.monotonic() - started
+    except LineageError as exc:
+        namespace = f"{str(name)[-120:]}/engine-{uuid.uuid4().hex}"
+        log.warning("fastcache: the weights cannot be named by their content (%s); L3 objects are this "
+                    "engine's alone (namespace %s). Set kv_connector_extra_config 'namespace' to share them, "
+                    "and change it whenever the weights change.", exc, namespace)
+        return namespace
+    parts, label = {"kv_dtype": kv_dtype, "load_format": load_format}, "model"
+    if model_config is not None:
+        hf = {k: v for k, v in model_config.hf_config.to_dict().items()
+              if not k.startswith("_") and k != "transformers_version"}
+        parts.update(dtype=str(model_config.dtype), quantization=model_config.quantization, hf_config=hf)
+        label = (hf.get("architectures") or [hf.get("model_type") or "model"])[0]
+    namespace = default_namespace(label, digest, parts)
+    log.info("fastcache: namespace %s (weights' content hashed in %.2f s)", namespace, elapsed)
+    return namespace
 
 
 class _RecomputingWorker(OffloadingConnectorWorker):

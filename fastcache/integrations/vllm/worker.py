@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -26,6 +27,10 @@ from .link import WorkerLink
 from .jobs import rank_namespace
 
 log = logging.getLogger("fastcache.vllm")
+
+# Tests only: every load reads the chunk after the one it was given, so the engine computes with another
+# block's KV (or none): the negative control that shows an engine test can see wrong KV.
+TEST_WRONG_CHUNK = "FASTCACHE_TEST_VLLM_WRONG_CHUNK"
 
 
 def cache_spec(kv_caches, num_cpu_blocks: int) -> CacheSpec:
@@ -62,9 +67,9 @@ class Job:
 
 class FastcacheWorker(OffloadingWorker):
     def __init__(self, kv_caches, *, engine_id: str, rank: int, world_size: int, num_chunks: int,
-                 blocks_per_chunk: int, options, namespace: str):
+                 blocks_per_chunk: int, options, namespace: str, reset_scope: str | None = None):
         self.rank, self.world_size, self.bpc = rank, world_size, blocks_per_chunk
-        self.options, self.namespace = options, namespace
+        self.options, self.namespace, self.reset_scope = options, namespace, reset_scope
         spec = cache_spec(kv_caches, num_chunks * blocks_per_chunk)
         tensors = [t.tensor for t in kv_caches.tensors]
         device = "cuda" if tensors[0].is_cuda else "sim"
@@ -78,6 +83,9 @@ class FastcacheWorker(OffloadingWorker):
         self._puts: list = []                   # L3 write-through handles, reaped as they finish
         self._load_errors: set[int] = set()
         self._restarting: threading.Thread | None = None
+        self._wrong_chunk = os.environ.get(TEST_WRONG_CHUNK) == "1"
+        if self._wrong_chunk:
+            log.warning("fastcache: %s=1: every load reads the wrong chunk (a test fault)", TEST_WRONG_CHUNK)
         try:
             self.backend.start()
             names = [info.name for info in spec.tensors(0, device_id)]
@@ -85,7 +93,7 @@ class FastcacheWorker(OffloadingWorker):
                                             device_id=device_id, settings=settings,
                                             tensors=dict(zip(names, tensors))).start()
             self.backend.wait_ready(timeout=60)
-            self.link = WorkerLink(engine_id, rank, spec, num_chunks, namespace)
+            self.link = WorkerLink(engine_id, rank, spec, num_chunks, namespace, reset_scope)
         except BaseException:
             self.shutdown()
             raise
@@ -104,6 +112,8 @@ class FastcacheWorker(OffloadingWorker):
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
         gpu, cpu = gpu_to_cpu_blocks(dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
                                      src_spec.block_ids, self.bpc)
+        if self._wrong_chunk:
+            cpu = (cpu + self.bpc) % self.backend.spec.num_cpu_blocks
         job = self._jobs[job_id] = Job(job_id, True, gpu, cpu, src_spec)
         if src_spec.fetch.any():
             job.fetching = True
@@ -215,4 +225,4 @@ class FastcacheWorker(OffloadingWorker):
                 log.warning("fastcache: L3 put failed: %s", handle.error)
 
     def _l3_namespace(self, spec) -> str:
-        return rank_namespace(self.namespace, spec.generation, self.rank, self.world_size)
+        return rank_namespace(self.namespace, spec.generation, self.rank, self.world_size, self.reset_scope)
