@@ -37,7 +37,7 @@ from fastcache.worker.streams import LayerWaits  # noqa: E402
 from fastcache.worker.weights import Forward  # noqa: E402
 
 from conftest import small_spec  # noqa: E402
-from test_cuda_logic import OK, FakeRuntime, install_runtime  # noqa: E402
+from test_cuda_logic import OK, FakeRuntime, copy_rows, install_runtime, longs  # noqa: E402
 
 NOT_READY = FakeRuntime.cudaError_t.cudaErrorNotReady
 
@@ -205,26 +205,13 @@ class LazyRuntime(FakeRuntime):
 FAKE = None
 
 
-def lazy_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_ids, tier, tier_block_bytes,
-                to_tier):
+def lazy_launch(function, stream, grid, table, num_tensors, *args):
     """copy_rows queued on its stream: each row it will write is noted as a copy now (call order), and the
     rows move when the stream runs (the ids and the table are read then, as the kernel reads them)."""
-    def longs(ptr, n):
-        return np.ctypeslib.as_array((ctypes.c_longlong * n).from_address(ptr)).copy()
-
-    def run():
-        rows = longs(table, 4 * num_tensors).reshape(-1, 4)
-        ids = longs(gpu_ids, num_ids)
-        places = np.arange(num_ids) if slots == 0 else longs(slots, num_ids)
-        for ptr, row_bytes, offset, num_blocks in rows.tolist():
-            for g, place in zip(ids.tolist(), places.tolist()):
-                if g < num_blocks:
-                    gpu, cpu = ptr + g * row_bytes, tier + place * tier_block_bytes + offset
-                    ctypes.memmove(*((cpu, gpu) if to_tier else (gpu, cpu)), row_bytes)
-    if not to_tier:
+    if not args[-1]:        # to the cache: the rows it writes are the cache's
         for ptr, row_bytes, _, _ in longs(table, 4 * num_tensors).reshape(-1, 4).tolist():
             FAKE._note("copy", (ptr, row_bytes))
-    FAKE._enqueue(stream, run)
+    FAKE._enqueue(stream, lambda: copy_rows(table, num_tensors, *args))
 
 
 @pytest.fixture

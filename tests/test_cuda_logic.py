@@ -149,13 +149,12 @@ class FakeRuntime:
     cudaStreamWaitEvent = cudaEventRecord = _event
 
 
-def fake_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_ids, tier, tier_block_bytes,
-                to_tier):
-    """copy_rows, row by row, as the kernel does it."""
-    def longs(ptr, n):
-        return np.ctypeslib.as_array((ctypes.c_longlong * n).from_address(ptr)).copy()
+def longs(ptr, n):
+    return np.ctypeslib.as_array((ctypes.c_longlong * n).from_address(ptr)).copy()
 
-    FAKE.calls.append("launch")
+
+def copy_rows(table, num_tensors, gpu_ids, slots, num_ids, tier, tier_block_bytes, to_tier):
+    """copy_rows, row by row, as the kernel does it (reading its table and ids when it runs)."""
     rows = longs(table, 4 * num_tensors).reshape(-1, 4)
     ids = longs(gpu_ids, num_ids)
     places = np.arange(num_ids) if slots == 0 else longs(slots, num_ids)
@@ -164,6 +163,12 @@ def fake_launch(function, stream, grid, table, num_tensors, gpu_ids, slots, num_
             if g < num_blocks:
                 gpu, cpu = ptr + g * row_bytes, tier + place * tier_block_bytes + offset
                 ctypes.memmove(*((cpu, gpu) if to_tier else (gpu, cpu)), row_bytes)
+
+
+def fake_launch(function, stream, grid, *args):
+    """The kernel run at its launch."""
+    FAKE.calls.append("launch")
+    copy_rows(*args)
 
 
 FAKE = None     # the fixture's runtime, for fake_launch's call log
