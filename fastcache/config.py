@@ -213,6 +213,7 @@ RULES = {
     "transfer_timeout": _SECONDS,
     "phase_timeout": _SECONDS,
     "clear_swap_space": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
+    "reaper": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
     "copy_method": (lambda v: v in COPY_METHODS, f"must be one of {', '.join(COPY_METHODS)}"),
     "inline_bytes": (lambda v: _whole(v) and v >= 0, "must be a whole number of bytes >= 0"),
     "staging_mb": (lambda v: _number(v) and v > 0, "must be a positive number of MiB"),
@@ -259,6 +260,7 @@ class Settings:
     transfer_timeout: float = 10.0      # FASTCACHE_TRANSFER_TIMEOUT: silent transfer manager => rank failed
     phase_timeout: float = 60.0         # FASTCACHE_PHASE_TIMEOUT: clear/restore barrier timeout
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
+    reaper: bool = True                 # FASTCACHE_REAPER=0: no reaper process (what a killed engine left stays)
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
     staging_mb: float = 128.0           # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer (4 per rank)

@@ -24,6 +24,7 @@ from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
 from ..ipc.layers import SlotClaims
 from ..ipc.leftovers import remove_dead
 from ..ipc.naming import new_suffix, swap_space_name
+from ..ipc.reaper import Reaper
 from ..ipc.queue import bind_replies, make_socket_dir, new_token, remove_socket_dir
 from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
@@ -97,7 +98,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         self._swap_segments: list[SharedSegment | None] = [None] * tp_size
         self._warned: set = set()
         self._started = self._closed = False
-        self.signals = self.barrier = None
+        self.signals = self.barrier = self._reaper = None
         self._init_reshard()                        # docs/design.md §9 (engine/reshard_phase.py)
 
     # -- start-up --------------------------------------------------------------------------------
@@ -113,6 +114,9 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         remove_dead()
         self._started = True
         try:
+            if self.settings.reaper:        # removes what this deployment leaves if this process is killed
+                self._reaper = Reaper()
+                self._reaper.watch(self.suffix)
             # room for every tp a reshard can reach (docs/design.md §9): the signals and the barrier stay
             self.signals = DeploymentSignals(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             for claims in ("layer_claims", "weight_claims"):
@@ -365,6 +369,12 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
                 raise TransferError(f"{what} timed out: {(detail or self._readiness)()}")
             time.sleep(0.001)
 
+    def also_reap(self, suffix: str):
+        """Segments of another suffix that this process creates (an integration's own): if the process is
+        killed, the reaper removes them with the deployment's (a no-op with FASTCACHE_REAPER=0)."""
+        if self._reaper is not None:
+            self._reaper.watch(suffix)
+
     # -- shutdown --------------------------------------------------------------------------------
     def close(self, timeout: float = CLOSE_TIMEOUT):
         """Stop the transfer managers and remove every segment and socket this deployment created, within
@@ -407,4 +417,6 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
             remove_socket_dir(self.socket_dir)
         remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
         self._close_store()
+        if self._reaper is not None:
+            self._reaper.close()
 

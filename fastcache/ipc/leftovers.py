@@ -18,7 +18,17 @@ from .shm import SHM_DIR, SegmentError, creator_alive, read_creator, unlink
 def find_stale(suffix: str = ""):
     """(kind, path-or-name, creator pid) of every leftover whose creator is dead (of one deployment, if
     suffix is given)."""
-    stale, prefix = [], f"{PREFIX}.{suffix + '.' if suffix else ''}"
+    return [(kind, name, pid) for kind, name, (pid, _start), alive in _entries(suffix) if not alive]
+
+
+def live_creators(suffix: str) -> set[tuple[int, float]]:
+    """(pid, start time) of every live process that created one of a deployment's segments or socket dirs."""
+    return {(pid, start) for _kind, _name, (pid, start), alive in _entries(suffix) if alive}
+
+
+def _entries(suffix: str):
+    """(kind, path-or-name, (creator pid, its start time), creator alive) of every entry of ours."""
+    entries, prefix = [], f"{PREFIX}.{suffix + '.' if suffix else ''}"
     for entry in sorted(os.listdir(SHM_DIR)):
         if not entry.startswith(prefix):
             continue
@@ -26,8 +36,7 @@ def find_stale(suffix: str = ""):
             pid, start, _suffix = read_creator(entry)
         except (OSError, SegmentError):
             continue        # vanished, unreadable or not ours: leave it
-        if not creator_alive(pid, start):
-            stale.append(("segment", "/" + entry, pid))
+        entries.append(("segment", "/" + entry, (pid, start), creator_alive(pid, start)))
     for path in sorted(glob.glob(os.path.join(tempfile.gettempdir(), prefix + "*"))):
         try:
             with open(os.path.join(path, OWNER_FILE)) as f:
@@ -35,9 +44,8 @@ def find_stale(suffix: str = ""):
             pid, start = int(owner["pid"]), float(owner["start"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not creator_alive(pid, start):
-            stale.append(("socket dir", path, pid))
-    return stale
+        entries.append(("socket dir", path, (pid, start), creator_alive(pid, start)))
+    return entries
 
 
 def remove_dead(dry_run: bool = False, suffix: str = ""):

@@ -23,7 +23,7 @@ from ...engine.backend import SwapBackend
 from ...errors import TransferError
 from ...worker.cache_worker import CacheWorker
 from .keys import chunk_blocks, gpu_to_cpu_blocks
-from .link import WorkerLink
+from .link import WorkerLink, link_suffix
 from .jobs import rank_namespace
 
 log = logging.getLogger("fastcache.vllm")
@@ -93,6 +93,7 @@ class FastcacheWorker(OffloadingWorker):
                                             device_id=device_id, settings=settings,
                                             tensors=dict(zip(names, tensors))).start()
             self.backend.wait_ready(timeout=60)
+            self.backend.also_reap(link_suffix(engine_id))     # vLLM's server SIGKILLs its workers at stop
             self.link = WorkerLink(engine_id, rank, spec, num_chunks, namespace, reset_scope)
         except BaseException:
             self.shutdown()

@@ -1,0 +1,85 @@
+"""What a deployment leaves in /dev/shm when its owner is killed, removed without anyone running cleanup.
+
+A killed process cannot unlink its segments, and some supervisors kill a whole tree at once: vLLM's server
+SIGKILLs every descendant of its engine at stop, fastcache's transfer managers included. So the owner
+starts a reaper, a small process outside its tree (it forks once more and its parent exits, so a
+tree-kill walking child links does not reach it, and it has a session of its own). It holds the read end
+of a pipe whose only writer is the owner and blocks on it: each line is a deployment suffix to look
+after, and end of file means the owner closed it or died. It then waits a bounded time for the
+deployment's other creators (transfer managers, workers) to exit and removes what the dead ones left,
+with the cleanup tool's own rule (`remove_dead`: nothing of a live process is touched). After a normal
+close there is nothing left to remove, and it exits at once.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+# The child forks first thing, before importing fastcache, so that the owner waits only for a bare
+# interpreter to start and the reaper is out of the owner's tree at once.
+BOOTSTRAP = ("import os\n"
+             "if os.fork():\n"
+             "    os._exit(0)\n"
+             "from fastcache.ipc.reaper import main\n"
+             "main()\n")
+CREATORS_GRACE = 60.0       # seconds the reaper waits for a deployment's other processes to exit
+CLOSED = b"."               # the owner's last line when it closes (never a suffix)
+
+
+class Reaper:
+    """The owner's side: start it, name the suffixes to look after, close it when they are cleaned up."""
+
+    def __init__(self):
+        read_end, self._write_end = os.pipe()       # the write end is not inherited by exec'd children
+        try:
+            starter = subprocess.Popen([sys.executable, "-c", BOOTSTRAP], stdin=read_end, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            os.close(self._write_end)
+            raise
+        finally:
+            os.close(read_end)
+        starter.wait()          # it exits as soon as it has forked the reaper
+
+    def watch(self, suffix: str):
+        """Also remove what this suffix's dead processes left once the owner is gone."""
+        if self._write_end is None:
+            raise RuntimeError("the reaper is closed")
+        os.write(self._write_end, suffix.encode() + b"\n")
+
+    def close(self):
+        """The owner cleaned up itself: the reaper checks once and exits."""
+        if self._write_end is not None:
+            os.write(self._write_end, CLOSED + b"\n")
+            os.close(self._write_end)
+            self._write_end = None
+
+
+def main():
+    import psutil
+
+    from .leftovers import live_creators, remove_dead
+
+    lines, pending = [], b""
+    while chunk := os.read(0, 4096):       # until the owner closes the pipe or dies
+        *complete, pending = (pending + chunk).split(b"\n")
+        lines += complete
+    owner_died = CLOSED not in lines
+    for suffix in dict.fromkeys(line.decode() for line in lines if line and line != CLOSED):
+        if owner_died:          # its processes exit on their own (they watch it): remove theirs once they have
+            psutil.wait_procs(_processes(live_creators(suffix)), timeout=CREATORS_GRACE)
+        remove_dead(suffix=suffix)
+
+
+def _processes(creators):
+    import psutil
+    procs = []
+    for pid, start in creators:
+        try:
+            proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        if abs(proc.create_time() - start) < 0.01:      # not a reused pid
+            procs.append(proc)
+    return procs
