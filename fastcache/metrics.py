@@ -146,7 +146,7 @@ TIER_COUNTERS = {
     "stored_blocks": "blocks stored from the GPU to the CPU tier",
     "store_skipped": "hashes a store skipped because the CPU tier already held them",
     "store_full": "hashes a store could not place (every CPU block in use by a transfer)",
-    "evicted": "entries evicted (least recently used first)",
+    "evicted": "entries evicted (chosen by the cache's eviction policy)",
     "failed_loads": "loads that failed (their entries were dropped)",
     "failed_stores": "stores that failed (their entries were dropped)",
     "loaded_bytes": "bytes loaded, all ranks",

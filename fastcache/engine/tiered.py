@@ -10,12 +10,17 @@ Rules, in the order an engine meets them:
 - **CPU blocks: a quota.** The cache reserves `capacity` blocks from the backend's CPU block allocator
   when it is made (default: every block free then), so `allocate_cpu_blocks` keeps serving preemption
   swaps from the rest and the two never share a block. `close()` gives the quota back.
-- **Recency.** An OrderedDict keeps entries least recently used first. `store` and `load` refresh the
-  hashes they name from last to first, so the first hash of a call ends up most recently used and a
-  prompt's chain is evicted from its tail, never its head first (a tail without its head is useless
-  to a prefix lookup). `lookup` only reads.
-- **Eviction** takes the least recently used entry that no transfer is using: entries being stored are
-  not visible yet, entries being loaded are pinned until their load's handle completes.
+- **Eviction: a policy** (`policy=`: `lru`, `arc` or `prefix`, fastcache/eviction.py's POLICIES; the
+  default is its DEFAULT_POLICY). The cache keeps the index (hash -> entry) and tells the policy, which
+  knows hashes only, what happened: a store's hashes (deduplicated, less those that did not fit) and
+  which of them are new, a load's hashes (touched), a load's store hits (one store of the load's hashes),
+  an entry dropped, every entry dropped. `lookup` only reads. The vLLM manager uses the same policy
+  classes, so each policy has one implementation. Under `lru`, `store` and `load` refresh the hashes they
+  name from last to first, so a call's first hash ends most recently used and a prompt's chain is evicted
+  from its tail, never its head first (a tail without its head is useless to a prefix lookup).
+- **Eviction never takes an entry in use**: the policy is asked for victims with a skip of entries being
+  stored (not visible yet), entries pinned (being loaded until their load's handle completes, or read by a
+  write-through put) and the hashes the call itself names.
 - **Fail closed.** An entry becomes visible to `lookup` only when every rank has finished storing it
   (the handle's completion callback runs before `result()` returns); a failed store or load drops its
   entries; `load` of a hash that is not held raises before anything moves.
@@ -31,13 +36,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
-from itertools import filterfalse, islice, takewhile
+from collections import deque
+from itertools import filterfalse, takewhile
 from operator import itemgetter
 
 from .. import metrics
 from ..config import check_namespace
 from ..errors import RefusedError, TransferError
+from ..eviction import DEFAULT_POLICY, make_policy
 from ..ipc import protocol
 from ..ipc.signal import NORMAL, STATUS_NAMES
 from .handle import TransferHandle
@@ -46,14 +52,15 @@ from .tiered_l3 import BLOCK, DONE, PINS, QUOTA, READY, STATE, STORING, WRITE_MO
 
 log = logging.getLogger("fastcache.engine")
 
-_pins, _block = itemgetter(PINS), itemgetter(BLOCK)
+_block = itemgetter(BLOCK)
 
 
 class TieredCache(L3Tier):
-    """`TieredCache(backend, namespace="llama-3-8b/step-0", capacity=None, write="back")`: see the module
-    docstring; with a backend that has a store, tiered_l3 adds the store below the CPU tier."""
+    """`TieredCache(backend, namespace="llama-3-8b/step-0", capacity=None, write="back", policy=DEFAULT_POLICY)`:
+    see the module docstring; with a backend that has a store, tiered_l3 adds the store below the CPU tier."""
 
-    def __init__(self, backend, namespace: str, capacity: int | None = None, write: str = "back"):
+    def __init__(self, backend, namespace: str, capacity: int | None = None, write: str = "back",
+                 policy: str = DEFAULT_POLICY):
         check_namespace(namespace)
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
@@ -64,13 +71,17 @@ class TieredCache(L3Tier):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive number of CPU blocks, got {capacity!r}")
         self.capacity = capacity
+        # the eviction order (ValueError naming the choices for an unknown name, before any block is taken);
+        # it knows hashes only: every hash in _index, and no other
+        self._policy = make_policy(policy, capacity)
         self._lock = threading.Lock()
         # calls between naming CPU blocks (under the lock) and submitting them (after it): a reshard, once it
         # refuses new calls, waits for none to be left before it counts and renames the blocks
         self._busy = 0
         self._quiet = threading.Condition(self._lock)
-        self._index: OrderedDict[int, list] = OrderedDict()     # every entry, least recently used first
+        self._index: dict[int, list] = {}                        # every entry (the order: self._policy)
         self._visible: set[int] = set()                          # the READY ones: what lookup sees
+        self._pinned = 0    # pins not yet released, on any entry (indexed or not): 0 = no entry is pinned
         self._drops = 0     # counts removals other than evictions (which never touch an entry in flight)
         self._quota = allocator.generation
         self._free = allocator.allocate(capacity)[::-1]          # ValueError if they are not free
@@ -196,6 +207,7 @@ class TieredCache(L3Tier):
             entries = list(map(self._index.__getitem__, keys))
             for entry in entries:
                 entry[PINS] += 1
+            self._pinned += len(entries)
             self._touch(keys)
             batch = (keys, entries, self._drops)
             self._busy += 1
@@ -221,6 +233,7 @@ class TieredCache(L3Tier):
             out["store_latency"] = self._latency["store"].snapshot()
             out["load_latency"] = self._latency["load"].snapshot()
             out["namespace"] = self._namespace
+            out["policy"] = self._policy.name
         out["hit_rate"] = out["hits"] / out["lookup_blocks"] if out["lookup_blocks"] else 0.0
         return out
 
@@ -276,10 +289,10 @@ class TieredCache(L3Tier):
         return keys, gpu
 
     def _place(self, keys, gpu):
-        """Entries for the new hashes of a store, evicting as needed, and the call's hashes refreshed.
-        Returns (new hashes, their GPU ids, their CPU blocks, their entries, drop count) or None when
-        nothing is new.
-        Written with C-level builtins (filterfalse, map, deque): per hash, this is the cost of a store."""
+        """Entries for the new hashes of a store, evicting as needed, and the call's hashes told to the policy
+        (the new ones inserted, the held ones refreshed). Returns (new hashes, their GPU ids, their CPU blocks,
+        their entries, drop count) or None when nothing is new.
+        Written with C-level builtins (filterfalse, map): per hash, this is the cost of a store."""
         if len(set(keys)) != len(keys):             # a hash listed twice: its first GPU block wins
             where = dict(zip(reversed(keys), reversed(gpu)))
             keys = list(dict.fromkeys(keys))
@@ -298,18 +311,16 @@ class TieredCache(L3Tier):
         quota = self._quota
         entries = [[block, quota, 0, STORING] for block in blocks]
         self._counts["store_skipped"] += len(keys) - len(new)
-        if all_new:         # the common case: inserted last first, so the first hash ends most recent
-            index.update(zip(reversed(new), reversed(entries)))
-        else:
-            index.update(zip(new, entries))
-            deque(map(index.move_to_end, reversed(keys)), maxlen=0)     # the first hash ends most recent
+        index.update(zip(new, entries))
+        if keys:
+            self._policy.stored(keys, new)          # exactly the hashes placed or refreshed, in chain order
         if not new:
             return None
         return new, new_gpu, blocks, entries, self._drops
 
     def _take_blocks(self, n, protect):
-        """n CPU blocks (fewer if there are not): free ones first, then least recently used entries that
-        no transfer uses and that the call does not name."""
+        """n CPU blocks (fewer if there are not): free ones first, then the policy's victims among the
+        entries that no transfer uses and that the call does not name (protect)."""
         free = self._free                           # lowest ids last: taken in ascending runs
         take = min(n, len(free))
         blocks = free[len(free) - take:][::-1]
@@ -318,12 +329,8 @@ class TieredCache(L3Tier):
         if not n:
             return blocks
         index = self._index
-        victims = list(islice(index, n))
+        victims = self._victims(n, protect)
         candidates = list(map(index.__getitem__, victims))
-        if not self._visible.issuperset(victims) or any(map(_pins, candidates)) \
-                or (protect and not set(victims).isdisjoint(protect)):
-            victims = self._victims(n, set(protect))        # the slow way: skip what is in use
-            candidates = list(map(index.__getitem__, victims))
         deque(map(index.__delitem__, victims), maxlen=0)
         if self._l3:
             self._note_evicted(victims, candidates)     # written back to the store by the caller
@@ -332,17 +339,31 @@ class TieredCache(L3Tier):
         return blocks + list(map(_block, candidates))
 
     def _victims(self, n, protect):
-        """The n least recently used entries that are READY, unpinned and not in protect (or fewer)."""
-        out = []
-        for key, entry in self._index.items():
-            if entry[STATE] == READY and not entry[PINS] and key not in protect:
-                out.append(key)
-                if len(out) == n:
-                    break
-        return out
+        """Up to n hashes the policy gives up (it forgets them), none of an entry that is not READY (being
+        stored or fetched: not visible), pinned, or named by the call (protect). The skip is as cheap as
+        what needs skipping: none when every entry is READY and unpinned and the call names no held hash."""
+        index, visible = self._index, self._visible
+        if self._pinned or len(visible) != len(index):         # some entry is in flight: the slow way
+            if protect:
+                protect = set(protect)
+
+                def skip(key):
+                    return key in protect or key not in visible or index[key][PINS]
+            else:
+                def skip(key):
+                    return key not in visible or index[key][PINS]
+        elif protect:
+            skip = (protect if isinstance(protect, (set, frozenset)) else set(protect)).__contains__
+        else:
+            skip = None
+        return self._policy.victims(n, skip)
 
     def _touch(self, keys):
-        deque(map(self._index.move_to_end, reversed(keys)), maxlen=0)
+        """Held hashes read (a load): the policy refreshes them. A hash listed twice counts once, at its first
+        place (under lru the order is the same as refreshing every listing from last to first)."""
+        if len(keys) > 1 and len(set(keys)) != len(keys):
+            keys = list(dict.fromkeys(keys))
+        self._policy.touched(keys)
 
     def _stored(self, handle, batch):
         """Completion of a store (runs before its result() returns)."""
@@ -375,6 +396,7 @@ class TieredCache(L3Tier):
             if ok and drops == self._drops:          # all still indexed: nothing to release
                 for entry in entries:
                     entry[PINS] -= 1
+                self._pinned -= len(entries)
             else:
                 for key, entry in zip(keys, entries):
                     if not ok:
@@ -416,6 +438,7 @@ class TieredCache(L3Tier):
 
     def _unpin(self, key, entry):
         entry[PINS] -= 1
+        self._pinned -= 1
         if self._index.get(key) is not entry:
             self._release(entry)
 
@@ -424,6 +447,7 @@ class TieredCache(L3Tier):
         self._drops += 1
         if self._index.get(key) is entry:
             del self._index[key]
+            self._policy.remove(key)
             self._visible.discard(key)
             if entry[STATE] == READY:
                 entry[STATE] = DONE
@@ -446,7 +470,8 @@ class TieredCache(L3Tier):
 
     def _drop_all(self):
         self._drops += 1
-        index, self._index, self._visible = self._index, OrderedDict(), set()
+        index, self._index, self._visible = self._index, {}, set()
+        self._policy.clear()
         for entry in index.values():
             if entry[STATE] == READY:
                 entry[STATE] = DONE

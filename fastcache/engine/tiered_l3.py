@@ -7,7 +7,8 @@
 - **Lookup** counts the leading hashes held by the CPU tier or the store (the store is asked only when
   the CPU tier's run ends early); `lookup_tiers` says how many of them only the store has.
 - **Load** of a store hit takes fresh CPU blocks (evicting as a store does), fetches the objects into
-  them, and swaps every block in, under one handle; the fetched entries join the CPU tier. A fetch that
+  them, and swaps every block in, under one handle; the fetched entries join the CPU tier (to the eviction
+  policy, one store of the load's hashes: the fetched ones new, the others refreshed). A fetch that
   fails fails the handle (the GPU blocks are then undefined, as after any failed load) and drops them.
 - **The store failing never stops the CPU tier**: an error (other than a miss) counts in `l3_errors`
   and sets the store aside for L3_BACKOFF seconds, during which lookups, write-back and write-through
@@ -127,6 +128,7 @@ class L3Tier:
             pinned = [(k, e) for k, e in zip(new, entries) if self._index.get(k) is e]
             for _, entry in pinned:
                 entry[PINS] += 1            # not evicted (its block not reused) before the put has read it
+            self._pinned += len(pinned)
             self._busy += bool(pinned)      # until the writer has submitted the put
             self._l3_outstanding += len(pinned)
         if pinned:
@@ -296,10 +298,13 @@ class L3Tier:
             else:
                 new = [[block, self._quota, 0, STORING] for block in blocks]
                 self._index.update(zip(fetch, new))
+                # the store hits come up through the CPU tier: to the policy, one store of the load's hashes
+                # (the fetched ones new, the others held and refreshed), as trace_model's tier does it
+                self._policy.stored(list(dict.fromkeys(keys)), fetch)
                 entries = [self._index[k] for k in keys]
                 for entry in entries:
                     entry[PINS] += 1
-                self._touch(keys)
+                self._pinned += len(entries)
                 drops = self._drops
         self._write_back(taken)             # before the fetch that reuses the evicted blocks
         if full:        # the blocks go back only now: a put of an evicted one must be queued before any reuse

@@ -91,7 +91,7 @@ class AllStamped:
 
 
 def fastcache_manager(num_chunks: int, blocks_per_chunk: int) -> FastcacheManager:
-    return FastcacheManager(num_chunks, blocks_per_chunk, AllStamped(), world_size=1)
+    return FastcacheManager(num_chunks, blocks_per_chunk, AllStamped(), world_size=1, policy="lru")   # like for like
 
 
 def vllm_lru_manager(num_chunks: int) -> CPUOffloadingManager:

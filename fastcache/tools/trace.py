@@ -31,6 +31,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..config import CACHE_DTYPES, CacheSpec, Settings
+from ..eviction import DEFAULT_POLICY, POLICIES
 from ..engine import SwapBackend, TieredCache
 from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
@@ -52,6 +53,8 @@ def build_parser():
     p.add_argument("--gpu-blocks", type=int, default=1000, help="the engine's GPU prefix cache, blocks")
     p.add_argument("--cpu-blocks", type=int, default=16000, help="the CPU tier (TieredCache), blocks")
     p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help="the CPU tier's eviction policy (fastcache/eviction.py); the model uses the same one")
     p.add_argument("--store", help="an L3 store below the CPU tier: mooncake (a local one for the run), file "
                                    "(a temporary directory), mooncake://HOST:PORT or file:///DIR")
     p.add_argument("--store-mb", type=int, help="memory of the local Mooncake store (default: every distinct "
@@ -149,7 +152,8 @@ def replay(args, trace, spec, settings, report):
             views = [ops.attach(read_manifest(backend.suffix, r), spec.tensors(r, backend.device_ids[r]),
                                 backend.suffix) for r in range(args.tp)]
             # a namespace of this run's own: a store that outlives runs must not answer from an earlier one
-            cache = TieredCache(backend, namespace=f"trace/{os.path.basename(args.trace)}/{backend.suffix}")
+            cache = TieredCache(backend, namespace=f"trace/{os.path.basename(args.trace)}/{backend.suffix}",
+                                policy=args.policy)
             if args.metrics_port is not None:
                 server = metrics.serve(args.metrics_port, backend=backend, caches=[cache])
                 print(f"  metrics on {server.url}", flush=True)
@@ -234,7 +238,7 @@ def main(argv=None) -> int:
           f"blocks, CPU tier {args.cpu_blocks} blocks of {spec.cpu_block_bytes // 1024} KiB per rank, "
           f"tp={args.tp} on {args.device}", flush=True)
     t0 = time.perf_counter()
-    model = simulate(trace.requests, args.gpu_blocks, args.cpu_blocks, l3=bool(args.store))
+    model = simulate(trace.requests, args.gpu_blocks, args.cpu_blocks, l3=bool(args.store), policy=args.policy)
     report["model_seconds"] = time.perf_counter() - t0
     limit = infinite(trace.requests)
     try:
@@ -245,6 +249,9 @@ def main(argv=None) -> int:
         return 2
     report["replay"], report["model"] = engine.hits.rates(), model.rates()
     report["infinite_hit_rate"] = limit.rates()["hit_rate"]
+    report["policy"] = args.policy
+    report["belady_hit_rate"] = simulate(trace.requests, args.gpu_blocks, args.cpu_blocks,
+                                         policy="belady").rates()["hit_rate"]
     report["equal_to_model"] = (engine.hits.gpu, engine.hits.cpu, engine.hits.l3) == (model.gpu, model.cpu, model.l3)
     report["verified_blocks"], report["verification_failures"] = engine.verified, engine.failures
     report["first_failures"] = [{"request": r, "hash": h, "rank": k} for r, h, k in engine.failed]
@@ -253,7 +260,7 @@ def main(argv=None) -> int:
     report["shm_leftovers"] = leftovers
     if args.plot:
         from .trace_plot import plot
-        sweep = {c: simulate(trace.requests, args.gpu_blocks, c).rates() for c in SWEEP}
+        sweep = {c: simulate(trace.requests, args.gpu_blocks, c, policy=args.policy).rates() for c in SWEEP}
         plot(args.plot, trace, engine.hits, model, limit, sweep, args)
         report["plot"] = args.plot
     report["wall_seconds"] = time.perf_counter() - start
@@ -273,8 +280,9 @@ def print_report(r):
     print(f"  trace           {r['trace']}: {r['requests']} requests, {r['blocks']} blocks "
           f"({r['distinct_blocks']} distinct)")
     print(f"  hit rate        GPU {rep['gpu_hit_rate']:.2%}, CPU tier {rep['cpu_hit_rate']:.2%}{l3(rep)}, "
-          f"total {rep['hit_rate']:.2%} (infinite cache: {r['infinite_hit_rate']:.2%})")
-    print(f"  LRU model       GPU {mod['gpu_hit_rate']:.2%}, CPU tier {mod['cpu_hit_rate']:.2%}{l3(mod)}, "
+          f"total {rep['hit_rate']:.2%} (infinite cache: {r['infinite_hit_rate']:.2%}; Belady's offline "
+          f"choice at this capacity: {r['belady_hit_rate']:.2%})")
+    print(f"  model ({r['policy']:>6}) GPU {mod['gpu_hit_rate']:.2%}, CPU tier {mod['cpu_hit_rate']:.2%}{l3(mod)}, "
           f"total {mod['hit_rate']:.2%}: {'equal' if r['equal_to_model'] else 'DIFFERENT'}")
     if r.get("store"):
         print(f"  store           {r['store']}: {tier['l3_written_blocks']} blocks written back "

@@ -1,10 +1,11 @@
 """Request traces (Mooncake's JSONL format) and the in-process model a replay must agree with.
 
 The model runs the trace tool's engine policy on bare keys: a GPU prefix cache that is an LRU of
-`gpu_blocks`, and below it an LRU of `cpu_blocks` with TieredCache's rules (store skips and refreshes
-held hashes, refreshes a call's hashes from last to first, evicts the least recently used entry the call
-does not name). It shares no code with TieredCache or the replay, so a difference between the two is a
-bug in one of them.
+`gpu_blocks`, and below it a tier of `cpu_blocks` with TieredCache's rules (store skips and refreshes
+held hashes, loads touch what they read, eviction asks the tier's policy for victims the call does not
+name). The policy is the one TieredCache uses (fastcache/eviction.py: one implementation per policy); the
+tier's mechanics share no code with TieredCache or the replay, so a difference between the two is a bug in
+one of them. `belady` is the offline ceiling: the CPU tier evicts what is used farthest ahead.
 
 Per request, with hashes h (a prefix chain) of n blocks:
   1. k = leading hashes resident on the GPU (refreshed, tail first);
@@ -18,11 +19,16 @@ ones into L2 under the same rules (evicting, and so writing back, L2's least rec
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..eviction import DEFAULT_POLICY, make_policy
 
 
 @dataclass
@@ -95,45 +101,43 @@ def leading(keys, held) -> int:
     return n
 
 
-class _Lru:
-    """The model's L2: TieredCache's store rules, sequential (nothing is ever in flight)."""
+class _Tier:
+    """The model's L2: TieredCache's store rules over an eviction policy, sequential (nothing in flight)."""
 
-    def __init__(self, capacity):
-        self.capacity, self.entries = capacity, OrderedDict()
+    def __init__(self, capacity, policy):
+        self.capacity, self.policy = capacity, policy
+
+    def __contains__(self, key):
+        return key in self.policy
 
     def store(self, keys):
         keys = list(dict.fromkeys(keys))
-        new = [k for k in keys if k not in self.entries]
-        room = self.capacity - len(self.entries)
-        if len(new) > room:
+        new = [k for k in keys if k not in self.policy]
+        over = len(new) - (self.capacity - len(self.policy))
+        victims = []
+        if over > 0:
             protect = set(keys)
-            victims = []
-            for k in self.entries:             # least recently used first
-                if len(victims) == len(new) - room:
-                    break
-                if k not in protect:
-                    victims.append(k)
-            for k in victims:
-                del self.entries[k]
-            room += len(victims)
-            dropped = set(new[room:])
-            keys = [k for k in keys if k not in dropped]
-            self.refresh(keys)
-            return victims
-        self.refresh(keys)
-        return []
+            victims = self.policy.victims(over, protect.__contains__)
+            if len(victims) < over:             # no room for the rest: skipped, not refreshed
+                dropped = set(new[len(new) - (over - len(victims)):])
+                new = [k for k in new if k not in dropped]
+                keys = [k for k in keys if k not in dropped]
+        self.policy.stored(keys, new)
+        return victims
 
     def refresh(self, keys):
-        for k in reversed(keys):
-            self.entries[k] = True
-            self.entries.move_to_end(k)
+        if keys:
+            self.policy.touched(keys)
 
 
-def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False) -> Hits:
-    """The tiers of the replay, on keys only."""
-    gpu, l2, hits = OrderedDict(), _Lru(cpu_blocks), Hits()
+def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False, policy: str = DEFAULT_POLICY) -> Hits:
+    """The tiers of the replay, on keys only; `policy` names the CPU tier's eviction policy (or "belady")."""
+    gpu, hits = OrderedDict(), Hits()
+    l2 = _Tier(cpu_blocks, Belady(requests) if policy == "belady" else make_policy(policy, cpu_blocks))
     below = set()                              # L3: what L2 evicted (used when l3)
-    for h in requests:
+    for i, h in enumerate(requests):
+        if isinstance(l2.policy, Belady):
+            l2.policy.at(i)
         k = leading(h, gpu)
         for key in reversed(h[:k]):
             gpu.move_to_end(key)
@@ -145,11 +149,14 @@ def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False) -> Hi
             below.update(l2.store(victims[::-1]))     # the most recently used victim first
         s = 0
         if l3:
-            m = leading(h[k:], _Either(l2.entries, below))
-            s = sum(key not in l2.entries for key in h[k:k + m])
-            below.update(l2.store(h[k:k + m]))        # L3 hits come up through L2
+            m = leading(h[k:], _Either(l2, below))
+            s = sum(key not in l2 for key in h[k:k + m])
+            if s:
+                below.update(l2.store(h[k:k + m]))    # L3 hits come up through L2 (one store of the load's run)
+            else:
+                l2.refresh(h[k:k + m])                # all in L2: a load, which only reads
         else:
-            m = leading(h[k:], l2.entries)
+            m = leading(h[k:], l2)
             l2.refresh(h[k:k + m])
         below.update(l2.store(h))
         for key in reversed(h):
@@ -157,6 +164,69 @@ def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False) -> Hi
             gpu.move_to_end(key)
         hits.add(k, m - s, len(h), s)
     return hits
+
+
+class Belady:
+    """The offline ceiling for the CPU tier: evict the held key whose next use lies farthest ahead (never used
+    again first). It reads the whole trace; the model calls `at(i)` before serving request i."""
+
+    def __init__(self, requests):
+        self._requests, self._now, self._held = requests, 0, {}      # held key -> its next use
+        self._uses: dict = {}                   # key -> the requests that name it, in order
+        for i, h in enumerate(requests):
+            for key in h:
+                self._uses.setdefault(key, []).append(i)
+        self._heap = []                         # (-next use, key), stale ones skipped
+
+    def _next_use(self, key):
+        uses = self._uses.get(key, ())
+        at = bisect.bisect_right(uses, self._now)
+        return uses[at] if at < len(uses) else math.inf
+
+    def _rank(self, keys):
+        for key in keys:
+            use = self._held[key] = self._next_use(key)
+            heapq.heappush(self._heap, (-use, key))
+
+    def at(self, i):
+        """Serving request i: the held keys of the requests since passed get their next use."""
+        passed = [k for r in self._requests[self._now:i] for k in r if k in self._held]
+        self._now = i
+        self._rank(passed)
+
+    def __len__(self):
+        return len(self._held)
+
+    def __contains__(self, key):
+        return key in self._held
+
+    def stored(self, keys, new):
+        self._rank(new)
+
+    def touched(self, keys):
+        pass
+
+    def victims(self, n, skip=None):
+        out, kept = [], []
+        while self._heap and len(out) < n:
+            use, key = heapq.heappop(self._heap)
+            if self._held.get(key) != -use:
+                continue                        # evicted, or ranked again since
+            if skip is not None and skip(key):
+                kept.append((use, key))
+                continue
+            out.append(key)
+            del self._held[key]
+        for item in kept:
+            heapq.heappush(self._heap, item)
+        return out
+
+    def remove(self, key):
+        self._held.pop(key, None)
+
+    def clear(self):
+        self._held.clear()
+        self._heap.clear()
 
 
 class _Either:

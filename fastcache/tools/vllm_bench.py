@@ -27,6 +27,7 @@ import tempfile
 import numpy as np
 
 from ..store.service import store_for_run
+from ..eviction import DEFAULT_POLICY, POLICIES
 from .trace_model import load_trace, simulate
 
 FLOAT32 = 4
@@ -115,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help="fastcache's eviction policy (kv_connector_extra_config's \"policy\"; the model uses it too)")
     p.add_argument("--ways", default=",".join(WAYS), help=f"which runs, comma-separated (of {', '.join(WAYS)})")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
            "max_model_len": max(map(len, prompts)) + args.max_tokens + args.block_tokens,
            "concurrency": args.concurrency, "max_tokens": args.max_tokens, "extra": None}
     extra = {"spec_name": "FastcacheOffloadingSpec", "spec_module_path": "fastcache.integrations.vllm",
-             "cpu_bytes_to_use": args.cpu_blocks * block_bytes}
+             "cpu_bytes_to_use": args.cpu_blocks * block_bytes, "policy": args.policy}
     print(f"vllm_bench: {len(prompts)} requests of {trace.path} (first {args.blocks} blocks of {args.block_tokens} "
           f"tokens each, {sum(map(len, prompts))} prompt tokens), Llama {args.layers} layers hidden {args.hidden} "
           f"float32 (dummy weights), vLLM cache {args.gpu_blocks} blocks, fastcache CPU tier {args.cpu_blocks} "
@@ -185,9 +188,10 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
     # the tier's real size: vLLM's page of a block may be larger than K and V alone
     chunks = next((r["manager_in_run"]["num_chunks"] for r in reports.values() if "manager_in_run" in r),
                   args.cpu_blocks)
-    model = {"fastcache": simulate(requests, args.gpu_blocks, chunks).rates(),
-             "fastcache+l3": simulate(requests, args.gpu_blocks, chunks, l3=True).rates()}
-    print(f"\nLRU model of the same capacities (vLLM cache {args.gpu_blocks}, CPU tier {chunks} blocks):")
+    model = {"fastcache": simulate(requests, args.gpu_blocks, chunks, policy=args.policy).rates(),
+             "fastcache+l3": simulate(requests, args.gpu_blocks, chunks, l3=True, policy=args.policy).rates()}
+    print(f"\nmodel of the same capacities and policy ({args.policy}; vLLM cache {args.gpu_blocks}, CPU tier "
+          f"{chunks} blocks):")
     for way, rates in model.items():
         line = f"  {way:<14} model: vLLM cache {rates['gpu_hit_rate']:.1%}, fastcache {rates['cpu_hit_rate'] + rates['l3_hit_rate']:.1%}"
         if way in rows:

@@ -1,8 +1,15 @@
 """The scheduler side: vLLM's OffloadingManager over fastcache's index of CPU chunks.
 
 TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
-- Recency: an OrderedDict, least recently used first; lookups only read, loads and stores refresh.
-- Eviction takes the least recently used ready entry no load is reading (vLLM pins through prepare_load).
+- Eviction: a policy of fastcache/eviction.py (the same implementation TieredCache uses), chosen by
+  kv_connector_extra_config "policy" ("lru", "arc", "prefix"; default: eviction.DEFAULT_POLICY). The
+  manager keeps the index (key -> entry) and tells the policy what happened: prepare_store's keys (the
+  inserted ones new, the held ones refreshed), prepare_load's (read: touched; with L3 fetches, one store of
+  them, as TieredCache does), touch(), a dropped entry, a reset. Lookups only read. Under lru a call's
+  first key ends most recent, so a chain goes from its tail (a store too: before, a store's keys went in
+  head first, so its head was evicted first, as in vLLM's own LRU manager).
+- Eviction takes the policy's victims among ready entries no load is reading (vLLM pins through
+  prepare_load) that the call does not name; a store that cannot fit evicts nothing and is skipped.
 - Fail closed: a stored chunk becomes visible only once every worker rank stamped it (link.py); a failed
   store drops it, as does a failed fetch from L3.
 - Weights change, the cache goes: reset_cache() (vLLM's reset_prefix_cache(reset_connector=True)) drops every
@@ -14,12 +21,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 
 import numpy as np
 from vllm.v1.kv_offload.base import (LookupResult, OffloadingManager, PrepareStoreOutput,
                                      RequestOffloadingContext)
 
+from ...eviction import DEFAULT_POLICY, make_policy
 from ...store.keys import ObjectKeys, fingerprint
 from ...store.url import open_store
 from .keys import block_hashes
@@ -40,10 +47,11 @@ class Entry:
 
 class FastcacheManager(OffloadingManager):
     def __init__(self, num_chunks: int, blocks_per_chunk: int, links: ManagerLinks, world_size: int,
-                 store: str | None = None):
+                 store: str | None = None, policy: str = DEFAULT_POLICY):
         self.num_chunks, self.blocks_per_chunk, self.world_size = num_chunks, blocks_per_chunk, world_size
+        self._policy = make_policy(policy, num_chunks)     # ValueError naming the choices
         self._links = links
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._entries: dict[bytes, Entry] = {}             # every entry; the policy knows these keys and no other
         self._free = list(range(num_chunks - 1, -1, -1))
         self._stamps = itertools.count(1)      # one per store or fetch: a stale stamp never matches
         self.generation = 0                     # reset_cache() count: part of every L3 namespace
@@ -61,29 +69,42 @@ class FastcacheManager(OffloadingManager):
         return LookupResult.MISS
 
     def prepare_load(self, keys, req_context) -> FastcacheLoadSpec:
-        chunks, fetch, stamps = [], [], []
+        keys = list(keys)
+        protect = set(keys)
+        chunks, fetch, stamps, fetched, pinned = [], [], [], [], []
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:                   # an L3 hit: fetched into a chunk before the swap-in
-                chunk = self._take_chunk(protect=keys)
-                if chunk is None:
+                chunk = self._take_chunk(protect)
+                if chunk is None:               # undo this call: nothing stays pinned or half-fetched
+                    for done in pinned:
+                        done.pins -= 1
+                    for done in fetched:
+                        self._free.append(self._entries.pop(done).chunk)
                     raise RuntimeError("fastcache: no CPU chunk free for an L3 fetch (every chunk is in use)")
                 entry = self._entries[key] = Entry(chunk, FETCHING, self._new_stamp())
+                fetched.append(key)
                 fetch.append(True)
             else:
                 fetch.append(False)
             entry.pins += 1
-            self._entries.move_to_end(key)
+            pinned.append(entry)
             chunks.append(entry.chunk)
             stamps.append(entry.stamp)
+        if keys:
+            chain = list(dict.fromkeys(keys))
+            if fetched:     # the L3 hits join the CPU tier: one store of the load's keys (as TieredCache)
+                self._policy.stored(chain, fetched)
+            else:
+                self._policy.touched(chain)
         fetch = np.array(fetch, dtype=bool)
         hashes = block_hashes([k for k, f in zip(keys, fetch) if f], self.blocks_per_chunk)
         return FastcacheLoadSpec(chunks, fetch, np.array(stamps, dtype=np.uint64), hashes, self.generation)
 
     def touch(self, keys, req_context):
-        for key in reversed(list(keys)):        # the first key ends most recent: chains die tail first
-            if key in self._entries:
-                self._entries.move_to_end(key)
+        held = [k for k in dict.fromkeys(keys) if k in self._entries]
+        if held:
+            self._policy.touched(held)          # under lru the first key ends most recent: chains die tail first
 
     def complete_load(self, keys, req_context):
         keys = [k for k in keys if k in self._entries]
@@ -100,7 +121,7 @@ class FastcacheManager(OffloadingManager):
 
     # -- stores ----------------------------------------------------------------------------------
     def prepare_store(self, keys, req_context) -> PrepareStoreOutput | None:
-        keys = list(keys)
+        keys = list(dict.fromkeys(keys))
         new = [k for k in keys if k not in self._entries]
         evicted = []
         if len(new) > len(self._free):
@@ -109,12 +130,14 @@ class FastcacheManager(OffloadingManager):
                 return None                     # vLLM skips this store: nothing is lost, a later one may fit
             for key in victims:
                 evicted.append(key)
-                self._drop(key)
+                self._drop(key, evicted=True)
         chunks, stamps = [], []
         for key in new:
             entry = self._entries[key] = Entry(self._free.pop(), STORING, self._new_stamp())
             chunks.append(entry.chunk)
             stamps.append(entry.stamp)
+        if keys:
+            self._policy.stored(keys, new)      # the inserted keys new, the held ones refreshed
         hashes = block_hashes(new, self.blocks_per_chunk) if self._store_url else np.zeros(0, np.uint64)
         spec = FastcacheStoreSpec(chunks, np.array(stamps, dtype=np.uint64), hashes, self.generation)
         return PrepareStoreOutput(keys_to_store=new, store_spec=spec, evicted_keys=evicted)
@@ -136,6 +159,7 @@ class FastcacheManager(OffloadingManager):
         """New weights: every entry goes and L3 moves to the next namespace generation. vLLM promises no
         completion of an earlier job arrives afterwards."""
         self._entries.clear()
+        self._policy.clear()
         self._free = list(range(self.num_chunks - 1, -1, -1))
         self.generation += 1
         self._l3_keys = None
@@ -162,23 +186,41 @@ class FastcacheManager(OffloadingManager):
 
     def _take_chunk(self, protect):
         if not self._free:
-            victims = self._victims(1, protect=set(protect))
+            victims = self._victims(1, protect)
             if victims is None:
                 return None
-            self._drop(victims[0])
+            self._drop(victims[0], evicted=True)
         return self._free.pop()
 
     def _victims(self, n, protect):
-        out = []
-        for key, entry in self._entries.items():
+        """n keys the policy gives up (it forgets them), none of an entry that is not ready (being stored or
+        fetched), pinned by a load, or in protect; None, and nothing given up, when fewer than n can go."""
+        entries = self._entries
+        found = 0
+        for key, entry in entries.items():      # enough to evict? (the policy forgets every victim it returns)
             if entry.state == READY and entry.pins == 0 and key not in protect:
-                out.append(key)
-                if len(out) == n:
-                    return out
-        return None
+                found += 1
+                if found == n:
+                    break
+        else:
+            return None
 
-    def _drop(self, key):
+        def skip(key):
+            entry = entries[key]
+            return entry.state != READY or entry.pins or key in protect
+        victims = self._policy.victims(n, skip)
+        if len(victims) < n:                    # cannot happen (the policy holds every entry): fail closed
+            log.warning("fastcache: the eviction policy gave %d of %d victims; dropping them", len(victims), n)
+            for key in victims:
+                self._drop(key, evicted=True)
+            return None
+        return victims
+
+    def _drop(self, key, evicted: bool = False):
+        """Remove an entry and free its chunk; the policy forgets it (a victim: already forgotten)."""
         entry = self._entries.pop(key)
+        if not evicted:
+            self._policy.remove(key)
         self._free.append(entry.chunk)
 
     def _in_store(self, key) -> bool:

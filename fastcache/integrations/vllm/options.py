@@ -1,7 +1,7 @@
 """fastcache's settings in vLLM's `kv_connector_extra_config`, checked once at engine start (no vLLM import).
 
-An unknown key, a CPU tier of 0 bytes or larger than the machine, or a bad store URL is refused with one
-error that names the key, before any memory is taken.
+An unknown key, a CPU tier of 0 bytes or larger than the machine, a bad store URL or an unknown eviction
+policy is refused with one error that names the key, before any memory is taken.
 """
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import psutil
 
 from ...config import check_namespace
+from ...eviction import DEFAULT_POLICY, POLICIES
 from ...store.url import parse_store_url
 
 # Keys vLLM's OffloadingConnector itself reads from the same dict (vllm 0.32): accepted, left to vLLM.
 VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
                        "offload_prompt_only", "self_describing_kv_events"})
-FASTCACHE_KEYS = frozenset({"cpu_bytes_to_use", "store", "namespace", "transfer_timeout"})
+FASTCACHE_KEYS = frozenset({"cpu_bytes_to_use", "store", "namespace", "transfer_timeout", "policy"})
 
 
 class ConfigError(ValueError):
@@ -28,6 +29,7 @@ class VllmOptions:
     store: str | None = None         # L3: mooncake://HOST:PORT or file:///DIR
     namespace: str | None = None     # model and weight version in L3 keys; default: the model's name
     transfer_timeout: float = 30.0   # seconds a transfer may take before vLLM is told it failed
+    policy: str = DEFAULT_POLICY     # the CPU tier's eviction policy (fastcache/eviction.py's POLICIES)
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> "VllmOptions":
@@ -56,4 +58,10 @@ class VllmOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise ConfigError(f"kv_connector_extra_config: 'transfer_timeout' must be seconds in (0, 3600], "
                               f"got {timeout!r}")
-        return cls(int(size), store, namespace, float(timeout))
+        policy = extra.get("policy")
+        if policy is None:
+            policy = DEFAULT_POLICY
+        elif not isinstance(policy, str) or policy not in POLICIES:
+            raise ConfigError(f"kv_connector_extra_config: 'policy' must be one of {sorted(POLICIES)} (the CPU "
+                              f"tier's eviction policy; default {DEFAULT_POLICY!r}), got {policy!r}")
+        return cls(int(size), store, namespace, float(timeout), policy)
