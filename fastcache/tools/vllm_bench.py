@@ -240,14 +240,14 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
         if base:
             rows[way]["outputs_equal"] = r["outputs"] == base["outputs"]
     print(f"\n{'way':<14}{'prefill tokens':>15}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'req/s':>8}"
-          f"{'vLLM-cache hits':>17}{'offload hits':>14}{'CPU MiB':>9}{'ready s':>9}")
+          f"{'vLLM-cache hits':>17}{'offload hits':>14}{'CPU MiB':>9}{'ready s':>12}")
     for way, row in rows.items():
         ready = f"{row['engine_ready_s']:.1f}" if row["engine_ready_s"] is not None else "-"
         if row["service_ready_s"] is not None:
             ready += f"+{row['service_ready_s']:.1f}"
         print(f"{way:<14}{row['prefill_tokens']:>15,}{row['ttft_p50_ms']:>13.1f}{row['ttft_p90_ms']:>13.1f}"
               f"{row['requests_per_s']:>8.2f}{row['vllm_cache_hit_rate']:>16.1%} {row['offload_hit_rate']:>13.1%}"
-              f"{row['cpu_bytes'] / (1 << 20):>9.0f}{ready:>9}")
+              f"{row['cpu_bytes'] / (1 << 20):>9.0f}{ready:>12}")
     print("(CPU MiB: fastcache's tier, LMCache's L1 pool; Mooncake's segment not counted. ready s: the engine's "
           "construction, + the server's start for Mooncake and LMCache)")
     if base:
