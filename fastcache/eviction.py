@@ -289,10 +289,12 @@ class PrefixPolicy:
         return runs
 
     def _unlink(self, keys, metas=None):
-        """keys out of their buckets, a run at a time."""
+        """keys out of their buckets, a run at a time; returns the runs."""
         metas = list(map(self._meta.__getitem__, keys)) if metas is None else metas
-        for meta, run in self._runs(keys, metas):
+        runs = self._runs(keys, metas)
+        for meta, run in runs:
             deque(map(self._buckets[meta[2]].__delitem__, run), maxlen=0)
+        return runs
 
     def touched(self, keys):
         if not keys:
@@ -309,10 +311,7 @@ class PrefixPolicy:
         """keys named again, no class change: each to its class's bucket now."""
         if not keys:
             return
-        metas = list(map(self._meta.__getitem__, keys)) if metas is None else metas
-        runs = self._runs(keys, metas)
-        for meta, run in runs:
-            deque(map(self._buckets[meta[2]].__delitem__, run), maxlen=0)
+        runs = self._unlink(keys, metas)
         self._clock += 1
         for meta, run in reversed(runs):        # the chain's tail first, its head last (most recent)
             self._place(run, meta[0])
