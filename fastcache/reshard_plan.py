@@ -24,6 +24,13 @@ the same inputs (the specs, the tp sizes, the ranks' allocations and the block m
   above holds. Across ranks, a rank rewrites its memory only after every other rank that reads from it
   has finished (`waves`): data flows to higher ranks on a scale-out and to lower ranks on a scale-in, so
   the order always exists.
+- **Weights** (docs/design.md §11), optional: every layer resident, moved in the same step. A tensor TP
+  splits along dim d is a space of rows (device block b, outer index o), row = b * outer + o with outer =
+  prod(full shape[:d]), whose "heads" are the indices of dim d: the same head-slice pieces as KV, over
+  full_shape[d]. Rows keep their ids (no compaction). A replicated tensor is one row per block, the whole
+  tensor: a kept rank keeps it, a fresh rank r copies old rank r % old_tp's. A kept rank rewrites a tensor in
+  place through the GPU staging buffer like KV rows, unless its new slice outgrows the tensor's allocation:
+  then it gathers into a new allocation ("weights_new", rank, i), which nobody reads yet (no staging).
 - **Crash safety.** An in-place chunk is journaled (staged, then written): a transfer manager that dies
   mid-chunk is replaced and resumes from the journal, rewriting the chunk from the staging buffer, which
   its worker owns. Everything else is idempotent (it writes only memory nobody reads yet).
@@ -35,7 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import CacheSpec
+from .config import ELEMENT_BYTES, CacheSpec
+from .weight_spec import WeightSpec
 
 MAX_STAGING_BYTES = 256 << 20       # docs/design.md §9: one staging buffer of at most 256 MiB beside each cache
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -170,7 +178,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class Space:
-    """Rows of one kind on every rank: a GPU tensor (key ("gpu", tensor index)) or the CPU tier (("cpu",))."""
+    """Rows of one kind on every rank: a GPU tensor (key ("gpu", tensor index)), the CPU tier (("cpu",)) or a
+    weight tensor (("weights", tensor index))."""
     key: tuple
     old_row: int
     new_row: int
@@ -188,7 +197,8 @@ class Space:
 @dataclass(frozen=True, eq=False)
 class Copy:
     """`width` bytes of rows: from src at src_rows[i] * src_pitch + src_off to dst at dst_rows[i] * dst_pitch +
-    dst_off. src and dst name memory: ("gpu", rank, tensor), ("cpu", rank) or ("staging", rank, "gpu" | "cpu")."""
+    dst_off. src and dst name memory: ("gpu", rank, tensor), ("cpu", rank), ("staging", rank, "gpu" | "cpu"),
+    ("weights", rank, tensor) or a kept rank's new allocation ("weights_new", rank, tensor)."""
     src: tuple
     src_pitch: int
     src_off: int
@@ -261,10 +271,12 @@ class Plan:
     """Everything a reshard from old_tp to new_tp does, rank by rank."""
 
     def __init__(self, old_spec: CacheSpec, old_tp: int, new_tp: int, capacities, gpu_live, cpu_live=(),
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, gpu_new=None, cpu_new=None):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, gpu_new=None, cpu_new=None,
+                 weights: WeightSpec | None = None, weight_capacities=None):
         """capacities: each old rank's allocation (new ranks allocate what the new spec says). gpu_live/
         cpu_live: old ids that must survive. gpu_new/cpu_new: their new ids, if already decided (a transfer
-        manager is given the engine's)."""
+        manager is given the engine's). weights: the placed WeightSpec at old_tp (every layer resident), moved
+        too; weight_capacities: per old rank, per tensor, the bytes of its allocation (default: the slice's)."""
         self.old_spec, self.old_tp, self.new_tp = old_spec, old_tp, new_tp
         self.heads = old_spec.num_kv_heads * old_tp
         self.capacities = [c if isinstance(c, Capacity) else Capacity(*c) for c in capacities]
@@ -300,6 +312,12 @@ class Plan:
         self.kept = list(range(min(old_tp, new_tp)))
         self.fresh = list(range(old_tp, new_tp))
         self.retired = list(range(new_tp, old_tp))
+        self.weights = weights
+        self.new_weights = self._check_weights(weights)
+        self.weight_capacities = self._weight_capacities(weight_capacities)
+        self.weight_spaces = self._weight_spaces()
+        self._new_allocations = self._outgrown()
+        self._check_weight_staging()
         self.waves = self._waves()
 
     # -- geometry ----------------------------------------------------------------------------------
@@ -332,21 +350,112 @@ class Plan:
                          tuple(_merge(sorted(mine, key=lambda p: p.dst_off)) for mine in cpu)))
         return out
 
+    def _check_weights(self, weights):
+        """The weights at new_tp (None without weights); ValueError for what this plan cannot move."""
+        if weights is None:
+            return None
+        if not isinstance(weights, WeightSpec):
+            raise ValueError(f"weights must be a WeightSpec, got {type(weights).__name__}")
+        if weights.tp_size != self.old_tp:
+            raise ValueError(f"the weights are sliced for tp {weights.tp_size}, the deployment runs tp {self.old_tp}")
+        if weights.resident_layers != weights.num_layers:
+            raise ValueError(f"weights with offloaded layers ({weights.resident_layers} of {weights.num_layers} "
+                             f"resident) cannot be resharded")
+        return weights.resharded(self.new_tp)
+
+    def _weight_capacities(self, given):
+        """Per old rank, per tensor, the bytes allocated: at least the old slice."""
+        if self.weights is None:
+            if given is not None:
+                raise ValueError("weight_capacities without weights")
+            return []
+        held = [t.num_blocks * t.block_bytes for t in self.weights.tensors()]
+        out = [list(held) for _ in range(self.old_tp)] if given is None else [list(c) for c in given]
+        if len(out) != self.old_tp or any(len(c) != len(held) for c in out):
+            raise ValueError(f"weight_capacities needs, for each of the {self.old_tp} old ranks, the bytes of each "
+                             f"of the {len(held)} weight tensors")
+        for r, caps in enumerate(out):
+            for (name, _, _), cap, need in zip(self.weights.layer_tensors, caps, held):
+                if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < need:
+                    raise ValueError(f"rank {r}'s allocation of weight {name!r} ({cap!r} bytes) is below the "
+                                     f"{need} bytes it holds")
+        return [[int(c) for c in caps] for caps in out]
+
+    def _weight_spaces(self):
+        """A space per weight tensor (see the module's docstring), in layer_tensors order."""
+        w = self.weights
+        if w is None:
+            return []
+        out = []
+        for i, (name, _, dtype) in enumerate(w.layer_tensors):
+            full, d, blocks = w.full_shape(name), w.split_dims[i], w.num_gpu_blocks
+            if d is None:
+                row = int(np.prod(full)) * ELEMENT_BYTES[dtype]
+                pieces = tuple(() if r < self.old_tp else (Piece(r % self.old_tp, 0, 0, row),)
+                               for r in range(self.new_tp))
+                out.append(Space(("weights", i), row, row, blocks, blocks, pieces))
+                continue
+            outer = int(np.prod(full[:d]))
+            inner = int(np.prod(full[d + 1:])) * ELEMENT_BYTES[dtype]
+            pieces = _pieces(full[d], self.old_tp, self.new_tp, inner)
+            out.append(Space(("weights", i), full[d] // self.old_tp * inner, full[d] // self.new_tp * inner,
+                             blocks * outer, blocks * outer, tuple(tuple(p) for p in pieces)))
+        return out
+
+    def _outgrown(self) -> set:
+        """(rank, tensor) of kept ranks whose new slice needs more bytes than the tensor's allocation."""
+        if self.old_tp == self.new_tp:
+            return set()
+        return {(r, sp.key[1]) for sp in self.weight_spaces for r in self.kept
+                if sp.new_bytes() > self.weight_capacities[r][sp.key[1]]}
+
+    def _check_weight_staging(self):
+        """A weight row rewritten in place goes through staging whole: staging must hold one."""
+        for sp in self.weight_spaces:
+            if sp.new_row > self.staging_bytes and any(self._in_place(sp, r) for r in self.kept):
+                name = self.weights.layer_tensors[sp.key[1]][0]
+                raise ValueError(f"staging_bytes ({self.staging_bytes}) is smaller than one row of weight {name!r} "
+                                 f"({sp.new_row} bytes), which is rewritten in place")
+
+    def _in_place(self, space: Space, rank: int) -> bool:
+        """Does kept `rank` rewrite this space in its own memory, through staging? (Not a kept rank's
+        replicated weights, which stay; not a weight tensor that moves to a new allocation.)"""
+        if rank not in self.kept:
+            return False
+        if space.key[0] != "weights":
+            return True
+        return bool(space.pieces[rank]) and (rank, space.key[1]) not in self._new_allocations
+
+    def weight_allocations(self) -> dict:
+        """{(rank, tensor index): bytes}: the kept ranks' weight tensors that outgrow their allocation and are
+        rebuilt into a new one, ("weights_new", rank, i), to be allocated before the step and swapped in after
+        it (fresh ranks allocate the new layout anyway)."""
+        return {(r, i): self.weight_spaces[i].new_bytes() for r, i in sorted(self._new_allocations)}
+
     def _pairs(self, space: Space):
-        """(old ids, new ids) of the live rows this space moves (a draft tensor has only its first rows)."""
+        """(old ids, new ids) of the live rows this space moves (a draft tensor has only its first rows; a
+        weight tensor has every row, where it was)."""
+        if space.key[0] == "weights":
+            rows = np.arange(space.old_blocks, dtype=np.int64)
+            return rows, rows
         old, new = (self.cpu_old, self.cpu_new) if space.key[0] == "cpu" else (self.gpu_old, self.gpu_new)
         keep = (old < space.old_blocks) & (new < space.new_blocks)
         return old[keep], new[keep]
 
     def region_bytes(self, space: Space, rank: int) -> int:
-        """Bytes of rank's memory this space touches: old rows as a source, new rows as a destination."""
+        """Bytes of rank's memory this space touches: old rows as a source, new rows as a destination (a weight
+        tensor moving to a new allocation: its old rows only; see weight_allocations)."""
         need = space.old_bytes() if rank < self.old_tp else 0
-        if rank < self.new_tp:
+        if rank < self.new_tp and (space.key[0] != "weights" or (rank, space.key[1]) not in self._new_allocations):
             need = max(need, space.new_bytes())
         return need
 
     def readers(self, rank: int) -> set:
-        """The other ranks that read rank's old rows."""
+        """The other ranks that read rank's old rows. KV tensor 0 stands for every space: a weight tensor's split
+        ranges are proportional to the heads' ([r/tp, (r+1)/tp) of the split dim), so the same ranks overlap.
+        A fresh rank's copy of a replicated weight tensor reads a kept rank that is not always among these,
+        but it reads rows their owner never rewrites (a kept rank's replicated rows stay, and its other
+        tensors are other memory), so no order is needed there."""
         return {r for r in range(self.new_tp) if r != rank
                 for p in self.spaces[0].pieces[r] if p.src_rank == rank}
 
@@ -398,13 +507,14 @@ class Plan:
             return [], False
         kept = rank < self.old_tp
         chunks = []
-        for space in self.spaces:
+        for space in self.spaces + self.weight_spaces:
             ids = np.sort(self._pairs(space)[1])    # after compaction the new ids hold the rows on every old rank
-            if not len(ids):
-                continue
             pieces = space.pieces[rank]
-            own = self._ref(space, rank)
-            stage = ("staging", rank, space.key[0])     # the GPU's staging, or the CPU tier's
+            if not len(ids) or not pieces:          # no pieces: a kept rank's replicated weights stay
+                continue
+            staged = self._in_place(space, rank)
+            own = self._dst_ref(space, rank)
+            stage = ("staging", rank, "cpu" if space.key[0] == "cpu" else "gpu")
             limit = max(1, self.staging_bytes // space.new_row)
             ascending = space.new_row <= space.old_row
             order = ids if ascending else ids[::-1]
@@ -412,10 +522,10 @@ class Plan:
                 part = np.sort(order[c:c + limit])
                 slots = np.arange(len(part))
                 gather = tuple(Copy(self._ref(space, p.src_rank), space.old_row, p.src_off, part,
-                                    stage if kept else own, space.new_row, p.dst_off, slots if kept else part,
+                                    stage if staged else own, space.new_row, p.dst_off, slots if staged else part,
                                     p.length) for p in pieces)
                 write = (Copy(stage, space.new_row, 0, slots, own, space.new_row, 0, part, space.new_row),) \
-                    if kept else ()
+                    if staged else ()
                 chunks.append(Chunk(gather, write))
         return chunks, kept
 
@@ -425,8 +535,8 @@ class Plan:
         if not self.destructive(rank):
             return 0
         need = 0
-        for space in self.spaces:
-            if space.key[0] != kind:
+        for space in self.spaces + self.weight_spaces:
+            if ("cpu" if space.key[0] == "cpu" else "gpu") != kind or not self._in_place(space, rank):
                 continue
             rows = min(len(self._pairs(space)[1]), max(1, self.staging_bytes // space.new_row))
             need = max(need, rows * space.new_row)
@@ -434,27 +544,63 @@ class Plan:
 
     @staticmethod
     def _ref(space: Space, rank: int) -> tuple:
-        return ("cpu", rank) if space.key[0] == "cpu" else ("gpu", rank, space.key[1])
+        if space.key[0] == "cpu":
+            return ("cpu", rank)
+        return (space.key[0], rank, space.key[1])
+
+    def _dst_ref(self, space: Space, rank: int) -> tuple:
+        """Where rank's new rows go: its own memory, or a kept rank's new weight allocation."""
+        if space.key[0] == "weights" and (rank, space.key[1]) in self._new_allocations:
+            return ("weights_new", rank, space.key[1])
+        return self._ref(space, rank)
 
     # -- figures -----------------------------------------------------------------------------------
     def moved_bytes(self, rank: int) -> dict:
         """Bytes rank's programs copy into place, by where they come from: its own rows (local), other ranks'
-        GPU rows (remote), CPU tiers (cpu), and compaction."""
+        GPU rows (remote; KV and weights), CPU tiers (cpu), and compaction."""
         out = {"local": 0, "remote": 0, "cpu": 0, "compaction": 0}
         for chunk in self.compaction(rank):
             out["compaction"] += sum(c.nbytes for c in chunk.gather)
-        chunks, _ = self.program(rank)
-        for chunk in chunks:
-            for c in chunk.gather:
-                kind = "cpu" if c.src[0] == "cpu" else "local" if c.src[1] == rank else "remote"
-                out[kind] += c.nbytes
+        for c in self._gathers(rank):
+            kind = "cpu" if c.src[0] == "cpu" else "local" if c.src[1] == rank else "remote"
+            out[kind] += c.nbytes
         return out
 
+    def moved_weight_bytes(self, rank: int) -> dict:
+        """The weights' part of moved_bytes(rank): {"local": ..., "remote": ...}."""
+        out = {"local": 0, "remote": 0}
+        for c in self._gathers(rank):
+            if c.src[0] == "weights":
+                out["local" if c.src[1] == rank else "remote"] += c.nbytes
+        return out
+
+    def _gathers(self, rank: int):
+        for chunk in self.program(rank)[0]:
+            yield from chunk.gather
+
+    def weight_moves(self) -> list:
+        """[{"tensor": name, "from": old rank, "to": new rank, "bytes": n}]: which weight shards go where
+        (from == to: a rank rebuilding its own slice)."""
+        moved = {}
+        for rank in range(self.new_tp):
+            for c in self._gathers(rank):
+                if c.src[0] == "weights":
+                    key = (c.src[2], rank, c.src[1])
+                    moved[key] = moved.get(key, 0) + c.nbytes
+        names = [n for n, _, _ in self.weights.layer_tensors] if self.weights is not None else []
+        return [{"tensor": names[i], "from": src, "to": dst, "bytes": n} for (i, dst, src), n in sorted(moved.items())]
+
     def summary(self) -> dict:
-        return {"from_tp": self.old_tp, "to_tp": self.new_tp, "waves": self.waves,
-                "gpu_blocks_per_rank": [self.old_spec.num_gpu_blocks, self.new_spec.num_gpu_blocks],
-                "cpu_blocks_per_rank": [self.old_spec.num_cpu_blocks, self.new_spec.num_cpu_blocks],
-                "live_gpu_blocks": len(self.gpu_old), "live_cpu_blocks": len(self.cpu_old)}
+        out = {"from_tp": self.old_tp, "to_tp": self.new_tp, "waves": self.waves,
+               "gpu_blocks_per_rank": [self.old_spec.num_gpu_blocks, self.new_spec.num_gpu_blocks],
+               "cpu_blocks_per_rank": [self.old_spec.num_cpu_blocks, self.new_spec.num_cpu_blocks],
+               "live_gpu_blocks": len(self.gpu_old), "live_cpu_blocks": len(self.cpu_old)}
+        if self.weights is not None:
+            names = [n for n, _, _ in self.weights.layer_tensors]
+            out["weight_moves"] = self.weight_moves()
+            out["weight_allocations"] = [{"tensor": names[i], "rank": r, "bytes": n}
+                                         for (r, i), n in self.weight_allocations().items()]
+        return out
 
 
 def run_chunks(chunks, execute, journal=None, flush=lambda: None):

@@ -5,13 +5,17 @@ attach, CPU-region and copier code serves it unchanged: a "block" is one layer's
 name), CPU block l holds layer l (every layer has one, block-major like the CPU tier), and the device
 holds `resident_layers` blocks (layer l < R in block l) followed by the ring's `ring_slots` slots, into
 which the offloaded layers R.. stream in turn (layer l into block R + (l - R) % k).
+
+Tensor parallelism: a tensor may name the dimension TP splits (column-parallel linears dim 0, row-parallel
+dim 1; none: replicated, every rank holds it whole). The shapes given are the full model's; `tp_size` picks the
+rank's slice, and everything the devices see (`layer_tensors`, `tensors()`, the byte counts) is that slice.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import ELEMENT_BYTES, TensorInfo
 
@@ -25,21 +29,47 @@ def _positive_int(name, value, minimum=1):
     return value
 
 
+def _entries(given):
+    """(name, shape, dtype, split dim) of each tensor given as {name: (shape, dtype[, split])} or as
+    (name, shape, dtype[, split]) sequences."""
+    items = given.items() if isinstance(given, dict) else ((t[0], tuple(t[1:])) for t in given)
+    for name, rest in items:
+        if not isinstance(rest, (tuple, list)) or len(rest) not in (2, 3):
+            raise ValueError(f"weight {name!r} must be given as (shape, dtype) or (shape, dtype, split dim)")
+        yield (name, *rest, None) if len(rest) == 2 else (name, *rest)
+
+
+def _split_dim(name, shape, split, tp_size):
+    """Check the dim TP splits (None: replicated): in range, and the full size divides over tp_size ranks."""
+    if split is None:
+        return None
+    if isinstance(split, bool) or not isinstance(split, int) or not 0 <= split < len(shape):
+        raise ValueError(f"weight {name!r}: split dim {split!r} is out of range for its {len(shape)}-D shape {shape}")
+    if shape[split] % tp_size:
+        raise ValueError(f"weight {name!r}: dim {split} ({shape[split]}) does not divide over tp_size {tp_size}")
+    return split
+
+
 @dataclass(frozen=True)
 class WeightSpec:
     """`WeightSpec(num_layers, {"w": ((512, 512), "float32"), ...})`: per-layer weight tensors by name.
-    resident_layers (None: all) and ring_slots are the placement; SwapBackend sets them from its budget."""
+    resident_layers (None: all) and ring_slots are the placement; SwapBackend sets them from its budget.
+    `{"qkv": ((3072, 1024), "float16", 0)}` with `tp_size=2`: the full shape, split over 2 ranks along dim 0.
+
+    It is given full shapes and keeps the rank's: rebuild the model with `resharded`, `placed` or `to_json`,
+    not from `layer_tensors` (the rank's shapes, without the split dims)."""
     num_layers: int
-    layer_tensors: tuple      # ((name, shape, dtype), ...): the tensors of one layer
+    layer_tensors: tuple      # ((name, shape, dtype), ...): one rank's tensors of a layer (its slices)
     resident_layers: int | None = None
     ring_slots: int = DEFAULT_RING_SLOTS
+    tp_size: int = 1
+    split_dims: tuple = field(default=(), init=False)    # per tensor: the dim TP splits, None: replicated
 
     def __post_init__(self):
         _positive_int("num_layers", self.num_layers)
-        given = self.layer_tensors
-        items = given.items() if isinstance(given, dict) else ((t[0], (t[1], t[2])) for t in given)
-        tensors, seen = [], set()
-        for name, (shape, dtype) in items:
+        _positive_int("tp_size", self.tp_size)
+        tensors, splits, seen = [], [], set()
+        for name, shape, dtype, split in _entries(self.layer_tensors):
             if not isinstance(name, str) or not NAME.match(name) or name in seen:
                 raise ValueError(f"weight name {name!r} is not a unique identifier")
             seen.add(name)
@@ -48,10 +78,15 @@ class WeightSpec:
                 _positive_int(f"a dimension of weight {name!r}", n)
             if dtype not in ELEMENT_BYTES:
                 raise ValueError(f"weight {name!r}: unknown dtype {dtype!r}; expected one of {tuple(ELEMENT_BYTES)}")
+            split = _split_dim(name, shape, split, self.tp_size)
+            if split is not None:
+                shape = (*shape[:split], shape[split] // self.tp_size, *shape[split + 1:])
             tensors.append((name, shape, dtype))
+            splits.append(split)
         if not tensors:
             raise ValueError("a WeightSpec names at least one tensor per layer")
         object.__setattr__(self, "layer_tensors", tuple(tensors))
+        object.__setattr__(self, "split_dims", tuple(splits))
         if self.resident_layers is None:
             object.__setattr__(self, "resident_layers", self.num_layers)
         _positive_int("resident_layers", self.resident_layers, minimum=0)
@@ -85,7 +120,7 @@ class WeightSpec:
                 if resident < 0:
                     raise ValueError(f"a weight budget of {budget_bytes} bytes holds {budget_bytes // self.layer_bytes} "
                                      f"layers, fewer than the ring's {ring_slots} slots")
-        placed = WeightSpec(self.num_layers, self.layer_tensors, resident, ring_slots)
+        placed = WeightSpec(self.num_layers, self._model(), resident, ring_slots, self.tp_size)
         if device_bytes is not None and placed.gpu_cache_bytes > device_bytes:
             raise ValueError(f"the resident weights and ring take {placed.gpu_cache_bytes} bytes, above the "
                              f"device's {device_bytes} bytes")
@@ -103,6 +138,40 @@ class WeightSpec:
         if layer < self.resident_layers:
             return layer
         return self.resident_layers + (layer - self.resident_layers) % self.ring_slots
+
+    # -- tensor parallelism -------------------------------------------------------------------------
+    def resharded(self, tp_size: int) -> "WeightSpec":
+        """The same model, placed alike, at another tp (ValueError naming a tensor whose split dim does not
+        divide over tp_size)."""
+        return WeightSpec(self.num_layers, self._model(), self.resident_layers, self.ring_slots, tp_size)
+
+    def full_shape(self, name: str) -> tuple:
+        """The model's shape of tensor `name` (the rank holds a slice of it along its split dim)."""
+        i = self._index(name)
+        _, shape, _ = self.layer_tensors[i]
+        d = self.split_dims[i]
+        return shape if d is None else (*shape[:d], shape[d] * self.tp_size, *shape[d + 1:])
+
+    def rank_slice(self, name: str, rank: int) -> tuple:
+        """Rank's part of the full tensor `name`, as an index (a tuple of slices): `full[spec.rank_slice(name, r)]`."""
+        i = self._index(name)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+            raise ValueError(f"rank must be in [0, {self.tp_size}), got {rank!r}")
+        _, shape, _ = self.layer_tensors[i]
+        d = self.split_dims[i]
+        out = [slice(None)] * len(shape)
+        if d is not None:
+            out[d] = slice(rank * shape[d], (rank + 1) * shape[d])
+        return tuple(out)
+
+    def _index(self, name):
+        self.check_names([name])
+        return [n for n, _, _ in self.layer_tensors].index(name)
+
+    def _model(self):
+        """The constructor's input for this model: (name, full shape, dtype, split dim) per tensor."""
+        return tuple((name, self.full_shape(name), dtype, d)
+                     for (name, _, dtype), d in zip(self.layer_tensors, self.split_dims))
 
     def check_names(self, names):
         unknown = sorted(set(names) - {name for name, _, _ in self.layer_tensors})
@@ -149,15 +218,20 @@ class WeightSpec:
         return len(gpu_ids) * self.layer_bytes
 
     def to_json(self) -> str:
-        return json.dumps({"num_layers": self.num_layers, "layer_tensors": [[n, list(s), d] for n, s, d in self.layer_tensors],
+        """Full shapes, a split dim as a 4th element where there is one, and tp_size."""
+        tensors = [[n, list(s), d] + ([split] if split is not None else []) for n, s, d, split in self._model()]
+        return json.dumps({"num_layers": self.num_layers, "layer_tensors": tensors, "tp_size": self.tp_size,
                            "resident_layers": self.resident_layers, "ring_slots": self.ring_slots}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "WeightSpec":
         data = json.loads(text)
-        if not isinstance(data, dict) or set(data) != {"num_layers", "layer_tensors", "resident_layers", "ring_slots"}:
-            raise ValueError("a WeightSpec is a JSON object with num_layers, layer_tensors, resident_layers, ring_slots")
+        required = {"num_layers", "layer_tensors", "resident_layers", "ring_slots"}
+        if not isinstance(data, dict) or not required <= set(data) <= required | {"tp_size"}:
+            raise ValueError("a WeightSpec is a JSON object with num_layers, layer_tensors, resident_layers, "
+                             "ring_slots and optionally tp_size")
         given = data["layer_tensors"]
-        if not isinstance(given, list) or not all(isinstance(t, list) and len(t) == 3 for t in given):
-            raise ValueError("WeightSpec layer_tensors must be [name, shape, dtype] triples")
-        return cls(data["num_layers"], tuple(given), data["resident_layers"], data["ring_slots"])
+        if not isinstance(given, list) or not all(isinstance(t, list) and len(t) in (3, 4) for t in given):
+            raise ValueError("WeightSpec layer_tensors must be [name, shape, dtype] or [name, shape, dtype, split dim]")
+        return cls(data["num_layers"], tuple(given), data["resident_layers"], data["ring_slots"],
+                   data.get("tp_size", 1))

@@ -266,6 +266,89 @@ def test_bad_placements_are_refused_before_anything_is_created():
     assert MODEL.placed(budget_bytes=LAYERS * layer).streamed_layers == range(LAYERS, LAYERS)
 
 
+
+# -- tensor parallelism: a rank's slice of the model ---------------------------------------------------
+SHARDED = {"qkv": ((12, 4), "float16", 0),        # column-parallel
+           "o": ((4, 12), "float16", 1),          # row-parallel
+           "norm": ((4,), "float32")}             # replicated
+
+
+def test_a_sharded_spec_describes_the_ranks_slice():
+    spec = WeightSpec(3, SHARDED, tp_size=2)
+    assert spec.layer_tensors == (("qkv", (6, 4), "float16"), ("o", (4, 6), "float16"), ("norm", (4,), "float32"))
+    assert spec.split_dims == (0, 1, None) and spec.tp_size == 2
+    assert [t.shape for t in spec.tensors(rank=1)] == [(3, 6, 4), (3, 4, 6), (3, 4)]
+    assert spec.layer_bytes == 6 * 4 * 2 + 4 * 6 * 2 + 4 * 4
+    assert (spec.gpu_cache_bytes, spec.cpu_cache_bytes, spec.task_bytes([0, 2])) == \
+        (3 * spec.layer_bytes, 3 * spec.layer_bytes, 2 * spec.layer_bytes)
+    assert [spec.full_shape(n) for n in ("qkv", "o", "norm")] == [(12, 4), (4, 12), (4,)]
+    full = {n: np.arange(np.prod(spec.full_shape(n))).reshape(spec.full_shape(n)) for n in ("qkv", "o", "norm")}
+    for name, axis in (("qkv", 0), ("o", 1)):     # the ranks' slices side by side are the full tensor
+        parts = [full[name][spec.rank_slice(name, r)] for r in range(2)]
+        assert all(p.shape == dict((n, s) for n, s, _ in spec.layer_tensors)[name] for p in parts)
+        assert np.array_equal(np.concatenate(parts, axis=axis), full[name])
+    assert np.array_equal(full["norm"][spec.rank_slice("norm", 1)], full["norm"])
+    with pytest.raises(ValueError, match="rank must be in \\[0, 2\\)"):
+        spec.rank_slice("qkv", 2)
+    with pytest.raises(ValueError, match="unknown weight names"):
+        spec.full_shape("zz")
+    placed = spec.placed(offload_fraction=0.5)        # placement keeps the slicing
+    assert (placed.tp_size, placed.split_dims, placed.layer_tensors) == (2, spec.split_dims, spec.layer_tensors)
+    assert placed.resident_layers == 1
+    # no split dims at tp 1, or only replicated tensors at any tp: today's spec
+    plain = WeightSpec(3, {"w": ((4, 4), "float32"), "b": ((4,), "float32")})
+    assert plain == WeightSpec(3, {"w": ((4, 4), "float32", None), "b": ((4,), "float32")}, tp_size=1)
+    assert plain.layer_tensors == (("w", (4, 4), "float32"), ("b", (4,), "float32"))
+    assert plain.split_dims == (None, None)
+    assert WeightSpec(3, {"w": ((4, 4), "float32", 1)}).layer_tensors == (("w", (4, 4), "float32"),)
+    replicated = WeightSpec(3, {"w": ((4, 4), "float32")}, tp_size=4)
+    assert replicated.layer_tensors == (("w", (4, 4), "float32"),) and replicated.layer_bytes == 64
+
+
+def test_resharded_is_the_same_model_at_another_tp():
+    spec = WeightSpec(3, SHARDED, tp_size=2)
+    four = spec.resharded(4)
+    assert four.tp_size == 4 and [s for _, s, _ in four.layer_tensors] == [(3, 4), (4, 3), (4,)]
+    assert [four.full_shape(n) for n in ("qkv", "o", "norm")] == [spec.full_shape(n) for n in ("qkv", "o", "norm")]
+    assert four.resharded(2) == spec and spec.resharded(2) == spec
+    assert [s for _, s, _ in spec.resharded(1).layer_tensors] == [(12, 4), (4, 12), (4,)]
+    assert spec.resharded(3).layer_tensors[0] == ("qkv", (4, 4), "float16")
+    with pytest.raises(ValueError, match="weight 'qkv': dim 0 \\(12\\) does not divide over tp_size 5"):
+        spec.resharded(5)
+    with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
+        spec.resharded(0)
+
+
+def test_bad_split_dims_and_tp_sizes_are_refused_naming_the_tensor():
+    cases = [(dict(layer_tensors={"w": ((4, 4), "float32", 2)}), "weight 'w': split dim 2 is out of range"),
+             (dict(layer_tensors={"w": ((4, 4), "float32", -1)}), "weight 'w': split dim -1 is out of range"),
+             (dict(layer_tensors={"w": ((4, 4), "float32", True)}), "weight 'w': split dim True is out of range"),
+             (dict(layer_tensors={"w": ((4,), "float32", "0")}), "weight 'w': split dim '0' is out of range"),
+             (dict(layer_tensors={"w": ((4, 6), "float32", 1)}, tp_size=4),
+              "weight 'w': dim 1 \\(6\\) does not divide"),
+             (dict(layer_tensors={"w": ((4, 4), "float32")}, tp_size=0), "tp_size must be an int >= 1"),
+             (dict(layer_tensors={"w": ((4, 4), "float32")}, tp_size=True), "tp_size must be an int >= 1"),
+             (dict(layer_tensors={"w": ((4, 4), "float32", 0, 1)}), "weight 'w' must be given as"),
+             (dict(layer_tensors=[("w", (4, 4))]), "weight 'w' must be given as")]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            WeightSpec(3, **kwargs)
+
+
+def test_weight_specs_round_trip_through_json_with_and_without_split_dims():
+    for spec in (MODEL, MODEL.placed(offload_fraction=0.5), WeightSpec(3, SHARDED, tp_size=2),
+                 WeightSpec(3, SHARDED, tp_size=4).placed(offload_fraction=0.5, ring_slots=1)):
+        assert WeightSpec.from_json(spec.to_json()) == spec
+    text = WeightSpec(3, SHARDED, tp_size=2).to_json()
+    assert '["qkv", [12, 4], "float16", 0]' in text and '["norm", [4], "float32"]' in text   # full shapes
+    old = ('{"layer_tensors": [["w", [4, 4], "float32"], ["b", [4], "float32"]], "num_layers": 3, '
+           '"resident_layers": 3, "ring_slots": 2}')                  # JSON from before tp_size
+    assert WeightSpec.from_json(old) == WeightSpec(3, {"w": ((4, 4), "float32"), "b": ((4,), "float32")})
+    with pytest.raises(ValueError, match="a WeightSpec is a JSON object"):
+        WeightSpec.from_json(old[:-1] + ', "split": 0}')
+    with pytest.raises(ValueError, match="layer_tensors must be"):
+        WeightSpec.from_json(old.replace('"float32"]', '"float32", 0, 1]', 1))
+
 def test_bad_weight_requests_are_refused_before_anything_moves():
     rng = np.random.default_rng(8)
     with weights_deployment(weights=MODEL, offload_fraction=0.25) as (backend, workers):
