@@ -1,6 +1,6 @@
 """fastcache under vLLM's own engine: its scheduler, model forward and OffloadingConnector driving fastcache
 (docs/design.md §10). Each run is a separate process (tests/vllm_driver.py): a tiny random Llama checkpoint
-(tests/vllm_model.py) read by vLLM's own loader, greedy decoding, 64 prompts sharing prefixes of 1-4 blocks
+(fastcache/tools/tiny_llama.py) read by vLLM's own loader, greedy decoding, 64 prompts sharing prefixes of 1-4 blocks
 and 16 probes (each base's prefix before one common tail). A round after vLLM's reset_prefix_cache() can
 only hit what fastcache holds.
 
@@ -26,7 +26,7 @@ import pytest
 
 from conftest import wait_for
 from fastcache.ipc.leftovers import find_stale, remove_dead
-from vllm_model import prompts, write_checkpoint, write_tokenizer
+from fastcache.tools.tiny_llama import prompts, write_checkpoint, write_tokenizer
 
 DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
 BLOCK_TOKENS = 128                 # vLLM's CPU block

@@ -1,4 +1,4 @@
-"""Runs vLLM's real engine (CPU build) over a tiny random Llama checkpoint (tests/vllm_model.py, read by vLLM's
+"""Runs vLLM's real engine (CPU build) over a tiny random Llama checkpoint (fastcache/tools/tiny_llama.py, read by vLLM's
 own loader) with and without fastcache and prints what tests/test_vllm.py checks, as one JSON line. A separate
 process per run: vLLM spawns its own processes and wants the `__main__` guard.
 
@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PYTHONHASHSEED", "0")       # vLLM's block hashes: equal across engines (L3 sharing)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_model import prompts, write_checkpoint  # noqa: E402
+from fastcache.tools.tiny_llama import prompts, write_checkpoint  # noqa: E402
 
 
 class Inspect:

@@ -2,13 +2,14 @@
 
     python -m fastcache.tools.vllm_run JOB.json  ->  one line "REPORT {json}" on stdout
 
-The job names the model (a config.json written here, dummy weights), vLLM's own KV cache size in blocks,
+The job names the model (a config.json written here, dummy weights; or "model_dir", a checkpoint that vLLM's
+own loader reads), vLLM's own KV cache size in blocks,
 the prompts (token ids), the tokens to generate, the closed-loop concurrency and, for an offloading run, the
 kv_connector_extra_config: fastcache's FastcacheConnector by default, vLLM's LMCacheMPConnector with
 "connector": "lmcache" (its "sys_path_after" names where lmcache is installed: vLLM's connector imports it in
 this process, and it is appended after this environment's own packages, so that vLLM, torch and numpy stay
 this environment's). The report carries "ready_s", the engine's construction (LLM()): from then on a request
-can be added. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+can be added; with "logprobs", each output's first-token logprob too. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
 the scheduler's OffloadingManager can be wrapped by manager_replay.Recorder and its calls replayed against
 fastcache's manager and vLLM's CPUOffloadingManager here, after the run.
 """
@@ -49,9 +50,11 @@ def llvmlite_dunder_fix() -> None:
 def engine(job: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
-    model_dir = tempfile.mkdtemp(prefix="fastcache-bench-model-")
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(job["model"], f)
+    model_dir, load_format = job.get("model_dir"), "auto"
+    if model_dir is None:
+        model_dir, load_format = tempfile.mkdtemp(prefix="fastcache-bench-model-"), "dummy"
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(job["model"], f)
     kv = None
     if job.get("connector") == "lmcache":
         llvmlite_dunder_fix()
@@ -61,7 +64,7 @@ def engine(job: dict):
         kv = KVTransferConfig(kv_connector="FastcacheConnector", kv_connector_module_path="fastcache.integrations.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config=job["extra"])
-    return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+    return LLM(model=model_dir, load_format=load_format, skip_tokenizer_init=True, enforce_eager=True, seed=0,
                dtype="float32", kv_transfer_config=kv, disable_log_stats=False, block_size=job["block_size"],
                num_gpu_blocks_override=job["gpu_blocks"], max_model_len=job["max_model_len"],
                max_num_seqs=max(1, job["concurrency"]))
@@ -76,14 +79,14 @@ def offloading_scheduler(llm, job: dict):
     return getattr(connector, "connector_scheduler", None)
 
 
-def replay_requests(llm, prompts, max_tokens: int, concurrency: int) -> dict:
+def replay_requests(llm, prompts, max_tokens: int, concurrency: int, logprobs: bool = False) -> dict:
     """Closed loop: `concurrency` requests in flight, the next added as one finishes. TTFT runs from a
     request's add_request to the end of the engine step that gave its first token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False, logprobs=0 if logprobs else None)
     eng = llm.llm_engine
-    added, first, outputs, cached = {}, {}, {}, {}
+    added, first, outputs, cached, first_logprob = {}, {}, {}, {}, {}
     todo = list(enumerate(prompts))[::-1]
     began = time.perf_counter()
     while todo or eng.has_unfinished_requests():
@@ -96,12 +99,18 @@ def replay_requests(llm, prompts, max_tokens: int, concurrency: int) -> dict:
             if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
                 first[out.request_id] = now
             if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                completion = out.outputs[0]
+                outputs[out.request_id] = list(completion.token_ids)
                 cached[out.request_id] = out.num_cached_tokens or 0
+                if logprobs:        # logprobs=0: the sampled token's own
+                    first_logprob[out.request_id] = completion.logprobs[0][completion.token_ids[0]].logprob
     seconds = time.perf_counter() - began
     ids = [str(i) for i in range(len(prompts))]
-    return {"seconds": seconds, "ttft": [first[r] - added[r] for r in ids], "outputs": [outputs[r] for r in ids],
-            "cached_tokens": [cached[r] for r in ids]}
+    report = {"seconds": seconds, "ttft": [first[r] - added[r] for r in ids], "outputs": [outputs[r] for r in ids],
+              "cached_tokens": [cached[r] for r in ids]}
+    if logprobs:
+        report["first_logprobs"] = [first_logprob[r] for r in ids]
+    return report
 
 
 def main(argv=None) -> int:
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
     began = time.perf_counter()
     llm = engine(job)
     ready_s = time.perf_counter() - began
-    scheduler = offloading_scheduler(llm, job)
+    scheduler = offloading_scheduler(llm, job) if job.get("manager_replay", True) else None
     recorder = None
     if scheduler is not None:
         from .manager_replay import Recorder
@@ -122,7 +131,7 @@ def main(argv=None) -> int:
     llm.reset_prefix_cache()
     if recorder is not None:
         recorder.reset()
-    report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"])
+    report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"], job.get("logprobs", False))
     report["ready_s"] = ready_s
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     report["external_hit_tokens"] = metrics.get("vllm:external_prefix_cache_hits") or 0
