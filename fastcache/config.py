@@ -183,6 +183,7 @@ def _check_int(name, value, minimum):
 
 
 COPY_METHODS = ("staged", "kernel", "batch", "memcpy")    # implemented by fastcache/ops/cuda.py
+RESHARD_COPY_METHODS = ("gather", "2d")                   # a reshard's GPU copies: fastcache/ops/cuda_reshard.py
 MIN_HEARTBEAT_INTERVAL = 0.01     # seconds; below it the beat thread (which also checks its peers) spins
 # seconds; a longer timeout is a typo or a way of saying "never", and waits on it can overflow (threading
 # refuses timeouts above threading.TIMEOUT_MAX, about 292 years)
@@ -215,6 +216,7 @@ RULES = {
     "clear_swap_space": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
     "reaper": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
     "copy_method": (lambda v: v in COPY_METHODS, f"must be one of {', '.join(COPY_METHODS)}"),
+    "reshard_copy": (lambda v: v in RESHARD_COPY_METHODS, f"must be one of {', '.join(RESHARD_COPY_METHODS)}"),
     "inline_bytes": (lambda v: _whole(v) and v >= 0, "must be a whole number of bytes >= 0"),
     "staging_mb": (lambda v: _number(v) and v > 0, "must be a positive number of MiB"),
     "kernel_blocks": (lambda v: _whole(v) and v >= 1, "must be a whole number >= 1"),
@@ -262,6 +264,7 @@ class Settings:
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
     reaper: bool = True                 # FASTCACHE_REAPER=0: no reaper process (what a killed engine left stays)
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
+    reshard_copy: str = "gather"        # FASTCACHE_RESHARD_COPY (cuda): gather | 2d, a reshard's GPU copies
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop
     staging_mb: float = 128.0           # FASTCACHE_STAGING_MB (cuda staged): size of each staging buffer (4 per rank)
     kernel_blocks: int = 8              # FASTCACHE_KERNEL_BLOCKS (cuda kernel): thread blocks of the copy kernel

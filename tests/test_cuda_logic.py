@@ -466,6 +466,30 @@ def test_the_copy_kernel_compiles_and_a_compile_error_carries_nvrtc_log(monkeypa
         kernels.compile_kernel(9, 0)
 
 
+@pytest.mark.skipif(not _nvrtc_usable(), reason="NVRTC (nvidia-cuda-nvrtc) is not installed")
+@pytest.mark.parametrize("major,minor", [(8, 0), (9, 0), (10, 0)])
+def test_the_gather_kernel_compiles_beside_copy_rows_and_a_compile_error_in_it_carries_nvrtc_log(monkeypatch, major,
+                                                                                                  minor):
+    """The real NVRTC, no GPU: gather_runs is in the cubin and in the PTX NVRTC makes for an architecture it
+    lacks, with the launch bounds GatherKernel launches by and the four 8-byte parameters launch_gather passes."""
+    cubin = kernels.compile_kernel(major, minor)
+    assert cubin[:4] == b"\x7fELF" and kernels.GATHER_NAME in cubin and kernels.KERNEL_NAME in cubin
+    if major == 9:
+        ptx = kernels.compile_kernel(9, 9).decode(errors="replace")
+        entry = ptx[ptx.index(".entry gather_runs("):]
+        entry = entry[:entry.index("{")]
+        assert entry.count(".param .u64") == 4 and ".param .u32" not in entry
+        assert f".maxntid {kernels.GATHER_THREADS}, 1, 1" in entry
+        assert f".minnctapersm {kernels.GATHER_BLOCKS_PER_SM}" in entry
+    call = "copy_row(dst + t[1], src + t[0], t[2]);"
+    broken = kernels.KERNEL_SOURCE.replace(call, "copy_row(dst + t[1], src + t[0]);")
+    assert broken != kernels.KERNEL_SOURCE
+    monkeypatch.setattr(kernels, "KERNEL_SOURCE", broken)
+    with pytest.raises(kernels.TransferError, match=r"(?s)NVRTC_ERROR_COMPILATION.*too few arguments.*"
+                                                   r"copy_row\(dst \+ t\[1\], src \+ t\[0\]\)"):
+        kernels.compile_kernel(major, minor)
+
+
 @pytest.mark.parametrize("method", copiers.METHODS)
 @pytest.mark.parametrize("driver", [12080, 12040])
 def test_a_layer_by_layer_swap_in_publishes_each_layer_only_once_its_rows_are_in_place(fake_cuda, method, driver):

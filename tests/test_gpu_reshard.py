@@ -1,7 +1,10 @@
 """Liquid resharding on a real GPU (docs/design.md §9): ranks sharing the one GPU, worker processes holding torch or
 CuPy caches, head slices moved through CUDA IPC; every live block checked bit for bit after every step, and
 the reshard's GPU copy rate against one cudaMemcpyAsync device-to-device of the same bytes in the same run
-(goal >= 0.8). Marked `gpu`; skipped where no GPU is usable or neither torch nor CuPy is installed."""
+(goal >= 0.8). The gather path (GatherCopies: gather_runs over uploaded run tables) is also checked alone,
+between two cudaMalloc'd buffers, with its rate against the 2-D copies and a D2D memcpy. Marked `gpu`;
+skipped where no GPU is usable; the tests with worker processes also where neither torch nor CuPy is
+installed."""
 from __future__ import annotations
 
 import json
@@ -24,11 +27,11 @@ def _framework():
 
 
 FRAMEWORK = _framework() if GPU else None
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not GPU, reason="no usable CUDA GPU"),
-              pytest.mark.skipif(GPU and FRAMEWORK is None, reason="needs torch or cupy to allocate the cache")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="no usable CUDA GPU")]
+needs_framework = pytest.mark.skipif(GPU and FRAMEWORK is None, reason="needs torch or cupy to allocate the cache")
 
 
+@needs_framework
 def test_ranks_sharing_one_gpu_reshard_1_2_4_2_1_bit_for_bit():
     from fastcache.launch.harness import WorkerProcesses
     from fastcache.launch.liquid import liquid
@@ -52,6 +55,7 @@ def test_ranks_sharing_one_gpu_reshard_1_2_4_2_1_bit_for_bit():
             workers.close()
 
 
+@needs_framework
 def test_the_reshard_copy_rate_against_a_device_to_device_memcpy():
     """A big cache, every block live: GB/s of the moves (the transfer managers' wall time, messaging included)
     over one cudaMemcpyAsync D2D of the same bytes."""
@@ -80,3 +84,71 @@ def test_the_reshard_copy_rate_against_a_device_to_device_memcpy():
             assert ratio > 0
         finally:
             workers.close()
+
+
+def test_gather_copies_move_random_head_slices_between_two_device_buffers_bit_for_bit():
+    """GatherCopies alone (no framework, no IPC): 1 KiB head slices of random rows, slices at skewed offsets
+    (the kernel's word and byte copies), whole rows joined into runs longer than RUN_SPLIT_BYTES (cut), and
+    a copy that is one run (a memcpy); bit for bit against NumPy, then again from the kept tables."""
+    from cuda.bindings import runtime
+    from fastcache.ops.cuda_kernels import DeviceBuffer, cuda_check, set_device
+    from fastcache.ops.cuda_reshard import RUN_SPLIT_BYTES, DeviceRegion, GatherCopies, copy_runs
+    from fastcache.reshard_plan import Copy
+    set_device(0)
+    rng = np.random.default_rng(7)
+    pitch, rows = 8192, 4096                  # 8 heads of 1 KiB a row: a 32 MiB source
+    src_host = np.frombuffer(rng.bytes(pitch * rows), np.uint8)
+    picked = np.sort(rng.choice(rows, 1500, replace=False))
+    specs = [  # (src_off, width, src rows, dst pitch, dst_off, dst rows)
+        (3 * 1024, 1024, picked, 1024, 0, np.arange(1500)),                      # int4
+        (5 * 1024 + 4, 1000, picked[::-1].copy(), 1000, 0, np.arange(1500)),     # words, rows in any order
+        (1024 + 5, 999, picked, 1003, 3, np.arange(1500)),                       # bytes
+        (0, pitch, np.r_[0:40, 100:140], pitch, 0, np.r_[10:50, 200:240]),        # two 320 KiB runs, cut
+        (0, pitch, np.arange(300, 340), pitch, 0, np.arange(0, 40)),              # one run
+    ]
+    copies = [Copy(("src",), pitch, so, r, ("dst", i), dp, do, d, w) for i, (so, w, r, dp, do, d) in enumerate(specs)]
+    assert [len(copy_runs(c)) for c in copies] == [1500, 1500, 1500, 2, 1]
+    assert 40 * pitch > RUN_SPLIT_BYTES
+    sizes = [-(-(int(c.dst_rows.max()) * c.dst_pitch + c.dst_off + c.width) // 256) * 256 for c in copies]
+    src, dst = DeviceBuffer(src_host.nbytes), DeviceBuffer(sum(sizes))
+    stream = cuda_check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+    gather = GatherCopies(0, stream)
+    try:
+        cuda_check(runtime.cudaMemcpy(src.ptr, src_host.ctypes.data, src_host.nbytes,
+                                      runtime.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
+        want = np.zeros(dst.nbytes, np.uint8)
+        regions, base = [], 0
+        for c, size in zip(copies, sizes):
+            regions.append(DeviceRegion(dst.ptr + base, size, f"destination of {c.dst}"))
+            area = want[base:base + size]
+            for s, d in zip(c.src_rows.tolist(), c.dst_rows.tolist()):
+                area[d * c.dst_pitch + c.dst_off:d * c.dst_pitch + c.dst_off + c.width] = \
+                    src_host[s * pitch + c.src_off:s * pitch + c.src_off + c.width]
+            base += size
+        source = DeviceRegion(src.ptr, src.nbytes, "source")
+        for _ in range(2):                  # the second pass launches from the tables already uploaded
+            cuda_check(runtime.cudaMemset(dst.ptr, 0, dst.nbytes), "cudaMemset")
+            cuda_check(runtime.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+            for c, region in zip(copies, regions):
+                gather.copy(c, source, region)
+            cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+            got = np.empty(dst.nbytes, np.uint8)
+            cuda_check(runtime.cudaMemcpy(got.ctypes.data, dst.ptr, dst.nbytes,
+                                          runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
+            assert np.array_equal(got, want)
+    finally:
+        cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        gather.close()
+        runtime.cudaStreamDestroy(stream)
+        src.close()
+        dst.close()
+
+
+def test_the_gather_rate_against_the_2d_copies_and_a_device_to_device_memcpy():
+    """gather_rate, small (benchmarks/reshard_gather.py runs it at full size): it checks its own bytes."""
+    from fastcache.ops.cuda_reshard import gather_rate
+    r = gather_rate(rows=8192, chunk_rows=2048, repeat=1)
+    print(f"gather {r['gather_gbps']:.1f} GB/s ({r['gather_ratio']:.3f} of D2D {r['d2d_gbps']:.1f} GB/s), "
+          f"2d {r['2d_gbps']:.1f} GB/s")
+    assert r["bit_for_bit"]
+    assert r["gather_gbps"] > 0 and r["2d_gbps"] > 0

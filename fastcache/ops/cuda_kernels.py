@@ -1,10 +1,11 @@
 """Low-level CUDA for the cuda device: status checks, device memory, per-direction streams and staging
-buffers, and the row-copy kernel.
+buffers, the row-copy kernel and the reshard's gather kernel.
 
 Everything goes through cuda-python (`cuda.bindings`); every call returns a tuple whose first element
-is the status, which `cuda_check` turns into a TransferError naming the call. The kernel is compiled
-with NVRTC for the device's architecture and the cubin is cached on disk, so a transfer manager pays
-for the compilation once per machine, not once per start.
+is the status, which `cuda_check` turns into a TransferError naming the call. The kernels (copy_rows for
+swaps, gather_runs for a reshard's head slices) share one source, compiled with NVRTC for the device's
+architecture; the cubin is cached on disk, so a transfer manager pays for the compilation once per
+machine, not once per start.
 """
 from __future__ import annotations
 
@@ -65,8 +66,22 @@ extern "C" __global__ void __launch_bounds__(512, 4) copy_rows(const i64* __rest
     else copy_row(gpu, cpu, t[1]);
   }
 }
+
+// A reshard's head slices between two allocations: runs[3r..3r+2] = {src offset, dst offset, bytes} of run r,
+// relative to src and dst. Blocks take runs grid-stride. 64 threads move a 1 KiB head slice in one pass of
+// int4 stores; 32 resident blocks an SM fill its 2048 thread slots (the bound caps registers at 32).
+extern "C" __global__ void __launch_bounds__(64, 32) gather_runs(const i64* __restrict__ runs, i64 num_runs,
+                                                                 const char* src, char* dst) {
+  for (i64 r = blockIdx.x; r < num_runs; r += gridDim.x) {
+    const i64* t = runs + 3 * r;
+    copy_row(dst + t[1], src + t[0], t[2]);
+  }
+}
 """
 KERNEL_NAME = b"copy_rows"
+GATHER_NAME = b"gather_runs"
+GATHER_THREADS = 64            # threads per block of gather_runs: its __launch_bounds__
+GATHER_BLOCKS_PER_SM = 32      # resident blocks an SM at that bound: the most a grid needs
 
 
 def _error_text(err) -> str:
@@ -327,3 +342,40 @@ class RowKernel:
 
     def close(self):
         self.table.close()
+
+
+# -- the gather kernel (a reshard's head slices) ---------------------------------------------------
+def launch_gather(function, stream, grid: int, runs: int, num_runs: int, src: int, dst: int):
+    """Launch gather_runs over the device table `runs` ({src offset, dst offset, bytes} i64 each)."""
+    args = (runs, num_runs, src, dst)
+    types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p)
+    cuda_check(driver.cuLaunchKernel(function, grid, 1, 1, GATHER_THREADS, 1, 1, 0, stream, (args, types), 0),
+               "cuLaunchKernel(gather_runs)")
+
+
+class GatherKernel:
+    """gather_runs, in a module this object loads into the device's primary context and unloads on close
+    (a reshard's transfer manager holds one per move, not for the life of the process)."""
+
+    def __init__(self, device_id: int):
+        set_device(device_id)
+        major = device_attribute(device_id, "cudaDevAttrComputeCapabilityMajor")
+        minor = device_attribute(device_id, "cudaDevAttrComputeCapabilityMinor")
+        # more blocks than can be resident only queue behind the first wave: the grid strides instead
+        self.max_grid = GATHER_BLOCKS_PER_SM * device_attribute(device_id, "cudaDevAttrMultiProcessorCount")
+        self.module = cuda_check(driver.cuModuleLoadData(kernel_image(major, minor)), "cuModuleLoadData")
+        try:
+            self.function = cuda_check(driver.cuModuleGetFunction(self.module, GATHER_NAME), "cuModuleGetFunction")
+        except TransferError:
+            self.close()
+            raise
+
+    def launch(self, stream, runs: int, num_runs: int, src: int, dst: int):
+        """Copy num_runs runs of the device table at `runs` from the allocation at src to the one at dst."""
+        grid = max(1, min(num_runs, self.max_grid))
+        launch_gather(self.function, stream, grid, runs, num_runs, src, dst)
+
+    def close(self):
+        if self.module is not None:
+            module, self.module = self.module, None
+            cuda_check(driver.cuModuleUnload(module), "cuModuleUnload")
