@@ -614,7 +614,7 @@ class ReshardPhase:
         tensor's allocation); in_use: the tensors of the current geometry; free = reserved - in_use (room a
         later step may grow into, e.g. a weight allocation larger than its slice after a scale-out);
         fragmented = allocated - reserved (bytes no allocation covers: a weight tensor's old place after it
-        moved to a new allocation, alignment). Other devices: the block count only."""
+        moved to a new allocation, alignment, segment headers). Other devices: the block count only."""
         out = {"rank": rank, "gpu_blocks": self.spec.num_gpu_blocks}
         if self.device != "sim":
             return out
