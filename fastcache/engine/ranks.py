@@ -25,9 +25,12 @@ REAP_TIMEOUT = 5.0        # seconds supervision waits for a killed transfer mana
 
 
 class RankSupervision:
-    def _spawn(self, rank: int, spec: CacheSpec | None = None, tp: int | None = None, device_id: int | None = None):
-        """Start rank's transfer manager (a reshard starts new ranks with the spec and tp they will have)."""
+    def _spawn(self, rank: int, spec: CacheSpec | None = None, tp: int | None = None, device_id: int | None = None,
+               weights=None):
+        """Start rank's transfer manager (a reshard starts new ranks with the spec, tp and weight layout they will
+        have)."""
         spec, tp = spec or self.spec, tp or self.tp_size
+        weights = weights or self.weight_layout
         device_id = self.device_ids[rank] if device_id is None else device_id
         with self._submit_lock:     # from here on nothing sent for rank can reach an earlier process's pipe
             incarnation = self._incarnations[rank]
@@ -42,7 +45,7 @@ class RankSupervision:
                "--device_id", str(device_id), "--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir,
                "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()), "--device", self.device,
                "--spec", spec.to_json()] + (["--store", self.store_url.url] if self.store_url else []) + \
-            (["--weights", self.weight_layout.to_json()] if self.weight_layout is not None else [])
+            (["--weights", weights.to_json()] if weights is not None else [])
         self._registered[rank] = self._attached[rank] = False
         self.signals.transfer_heartbeat[rank] = 0
         if rank < len(self.signals.weights_ready):
@@ -76,7 +79,8 @@ class RankSupervision:
             proc.wait()
         self._mark_failed(rank, "its transfer manager was restarted", level=logging.INFO)
         if step is not None and rank >= self.tp_size:      # a rank the pending reshard added
-            self._spawn(rank, spec=step.plan.new_spec, tp=step.to_tp, device_id=step.device_ids[rank])
+            self._spawn(rank, spec=step.plan.new_spec, tp=step.to_tp, device_id=step.device_ids[rank],
+                        weights=step.weights)
         else:
             self._spawn(rank)
         with self._handles_lock:        # only now: supervision must never see the old process in service

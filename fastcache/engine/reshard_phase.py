@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -33,10 +34,10 @@ import numpy as np
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
-from ..ipc.manifest import write_json_segment
-from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name
+from ..ipc.manifest import read_json_segment, read_manifest, write_json_segment
+from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name, weights_name
 from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
-from ..ipc.shm import SharedSegment, check_shm_room
+from ..ipc.shm import SHM_DIR, SegmentError, SharedSegment, check_shm_room
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
 from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
 
@@ -68,6 +69,11 @@ class ReshardStep:
         return self.plan.old_tp
 
     @property
+    def weights(self):
+        """The weight layout at the new tp (None without weights): what start_workers' new ranks register."""
+        return self.plan.new_weights
+
+    @property
     def to_tp(self):
         return self.plan.new_tp
 
@@ -77,6 +83,9 @@ class ReshardPhase:
 
     def _init_reshard(self):
         self._capacities = [Capacity.of(self.spec)] * self.tp_size     # each rank's allocation, head-blocks
+        # each rank's allocation per weight tensor, bytes: a kept rank keeps it, so a later step may fit in it
+        self._weight_capacities = [slice_bytes(self.weight_layout)] * self.tp_size \
+            if self.weight_layout is not None else None
         self._reshard_seq = self._reshard_attempts = 0
         self._pending_reshard: ReshardStep | None = None
         self._tiered_caches = weakref.WeakSet()      # TieredCaches over this backend: remapped by a reshard
@@ -128,15 +137,14 @@ class ReshardPhase:
             raise TransferError("the backend is not running")
         tp = check_tp(self.spec, self.tp_size, tp_size)
         if self.weight_layout is not None and tp != self.tp_size:
-            raise ValueError("a deployment with weights (docs/design.md §11) is not resharded: its weight group "
-                             "has no reshard geometry")
+            self._check_weights_movable()
         if self.signals.status != NORMAL:
             raise TransferError(f"reshard refused: kv_cache_status is "
                                 f"{STATUS_NAMES.get(self.signals.status, self.signals.status)} (it needs NORMAL)")
         spare, quota_free = self._quota_snapshot()
         cpu_live = sorted(self.allocator.used_ids() - spare)
         plan = Plan(self.spec, self.tp_size, tp, self._capacities[:self.tp_size], self._live_gpu(live_blocks),
-                    cpu_live, staging_bytes)
+                    cpu_live, staging_bytes, weights=self.weight_layout, weight_capacities=self._weight_capacities)
         if tp == self.tp_size:
             return None
         if plan.fresh and not callable(start_workers):
@@ -154,6 +162,18 @@ class ReshardPhase:
         self._reshard_seq += 1
         return ReshardStep(plan, self._reshard_seq, device_ids, start_workers, stop_workers, quota_free=quota_free)
 
+    def _check_weights_movable(self):
+        """The plan moves resident weights of an awake deployment only: an offloaded layer's bytes live in the
+        CPU region (and a ring), which the step does not move, so it is refused (ValueError, nothing changed)."""
+        layout = self.weight_layout
+        if layout.resident_layers != layout.num_layers:
+            raise ValueError(f"reshard refused: {layout.num_layers - layout.resident_layers} of {layout.num_layers} "
+                             f"weight layers are offloaded (streamed through a ring); a reshard moves resident "
+                             f"weights only: place every layer on the device (docs/design.md §9)")
+        if int(self.signals.sleep_level[0]):
+            raise ValueError(f"reshard refused: the deployment sleeps (level {int(self.signals.sleep_level[0])}); "
+                             f"its weights are in the CPU region, which a reshard does not move: wake() first")
+
     def _check_reshard_fits(self, plan):
         """Shared memory for the new ranks' CPU tiers (and on sim their caches) and the CPU staging buffers."""
         new = plan.new_spec
@@ -161,6 +181,10 @@ class ReshardPhase:
         if self.device == "sim":
             need += len(plan.fresh) * new.gpu_cache_bytes
             need += sum(plan.staging_bytes_for(r, "gpu") for r in plan.kept)
+            if plan.new_weights is not None:
+                need += len(plan.fresh) * plan.new_weights.gpu_cache_bytes + sum(plan.weight_allocations().values())
+        if plan.new_weights is not None:        # the fresh ranks' CPU weight regions
+            need += len(plan.fresh) * plan.new_weights.cpu_cache_bytes
         need += sum(plan.staging_bytes_for(r, "cpu") for r in plan.kept)
         check_shm_room(need, f"the reshard (new ranks' CPU tiers{' and caches' if self.device == 'sim' else ''}, "
                              f"staging)")
@@ -231,7 +255,8 @@ class ReshardPhase:
             return
         old = step.plan
         step.plan = Plan(old.old_spec, old.old_tp, old.new_tp, old.capacities, old.gpu_old, cpu_live,
-                         old.staging_bytes)
+                         old.staging_bytes, weights=old.weights,
+                         weight_capacities=old.weight_capacities if old.weights is not None else None)
         step.quota_free = quota_free
         self._check_reshard_fits(step.plan)
 
@@ -273,6 +298,8 @@ class ReshardPhase:
         body = {"seq": step.seq, "from_tp": plan.old_tp, "to_tp": plan.new_tp, "old_spec": plan.old_spec.to_json(),
                 "new_spec": plan.new_spec.to_json(), "capacities": [c.to_list() for c in plan.capacities],
                 "staging_bytes": plan.staging_bytes, **extra}
+        if plan.weights is not None:        # transfer managers plan the weights' moves too
+            body["weights"], body["weight_capacities"] = plan.weights.to_json(), plan.weight_capacities
         text = json.dumps(body, separators=(",", ":"))
         if len(text) > protocol.MAX_HEADER_BYTES - 200:
             raise TransferError(f"the reshard step's description ({len(text)} bytes) does not fit in a message header")
@@ -289,10 +316,12 @@ class ReshardPhase:
         plan = step.plan
         if step.plan_segment is None:
             staging = [plan.staging_bytes_for(r, "gpu") for r in range(max(plan.old_tp, plan.new_tp))]
-            step.plan_segment = write_json_segment(
-                reshard_plan_name(self.suffix),
-                {"seq": step.seq, "from_tp": plan.old_tp, "to_tp": plan.new_tp,
-                 "new_spec": plan.new_spec.to_json(), "staging": staging}, self.suffix)
+            described = {"seq": step.seq, "from_tp": plan.old_tp, "to_tp": plan.new_tp,
+                         "new_spec": plan.new_spec.to_json(), "staging": staging}
+            if plan.new_weights is not None:    # workers re-view their weights and allocate what outgrows its own
+                described["new_weights"] = plan.new_weights.to_json()
+                described["weight_allocations"] = [[r, i, n] for (r, i), n in plan.weight_allocations().items()]
+            step.plan_segment = write_json_segment(reshard_plan_name(self.suffix), described, self.suffix)
         for r in plan.kept:
             need = plan.staging_bytes_for(r, "cpu")
             if need and r not in step.cpu_staging:
@@ -324,18 +353,26 @@ class ReshardPhase:
             if self._swap_segments[r] is None:
                 self._swap_segments[r] = SharedSegment.create(swap_space_name(self.suffix, r), new.cpu_cache_bytes,
                                                               self.suffix)
+            if plan.new_weights is not None:
+                self.signals.weights_ready[r] = 0
+        if plan.new_weights is not None:
+            self._resize_weight_regions(plan.new_tp, plan.new_weights, plan.fresh)
         cap = self.barrier.capacity
         self.barrier.set_active(self.barrier.active + [transfer_party(r) for r in plan.fresh]
                                 + [worker_party(cap, r) for r in plan.fresh])
         step.fresh_started = True
         for r in plan.fresh:
-            self._spawn(r, spec=new, tp=plan.new_tp, device_id=step.device_ids[r])
+            self._spawn(r, spec=new, tp=plan.new_tp, device_id=step.device_ids[r], weights=plan.new_weights)
+
+        def worker_ready(r):
+            return self.signals.cache_ready[r] == 1 and (plan.new_weights is None or
+                                                         self.signals.weights_ready[r, 0] == 1)
 
         def ready(r):
-            return self._registered[r] and self.signals.cache_ready[r] == 1
+            return self._registered[r] and worker_ready(r)
 
         def missing():
-            return "; ".join(f"rank {r}: worker {'ready' if self.signals.cache_ready[r] == 1 else 'not ready'}, "
+            return "; ".join(f"rank {r}: worker {'ready' if worker_ready(r) else 'not ready'}, "
                              f"transfer manager {'registered' if self._registered[r] else 'not connected'}"
                              for r in plan.fresh if not ready(r)) or "every new rank ready"
         try:
@@ -413,6 +450,8 @@ class ReshardPhase:
                     problems.append(str(exc))
                 step.fresh_started = False
             m = plan.old_tp
+            if plan.new_weights is not None:
+                self._resize_weight_regions(m, self.weight_layout, [])
             self._procs, self._registered = self._procs[:m], self._registered[:m]
             self._attached, self._swap_segments = self._attached[:m], self._swap_segments[:m]
             self._task_pushes = self._task_pushes[:m]
@@ -501,6 +540,8 @@ class ReshardPhase:
         new_caps = [self._capacities[r] for r in plan.kept] + [Capacity.of(plan.new_spec)] * len(plan.fresh)
         self.spec, self.tp_size, self.device_ids = plan.new_spec, n, list(step.device_ids)
         self._capacities = new_caps
+        if plan.new_weights is not None:
+            self._take_new_weights(plan)
         for r in range(n, len(self._procs)):        # retired: None already; supervision sees None
             self._procs[r] = None
         # replaced, never shrunk in place: the I/O thread may be iterating the old lists
@@ -513,6 +554,16 @@ class ReshardPhase:
         self.allocator.thaw()
         for cache, free in step.quota_free.items():
             cache.remap_blocks(cpu_map, free, self.allocator)
+
+    def _take_new_weights(self, plan):
+        """The weights' new layout and allocations; every rank's CPU region in the new slice size (a region's
+        bytes matter only while the deployment sleeps, and a reshard refuses a sleeping one)."""
+        moved = plan.weight_allocations()
+        fresh = slice_bytes(plan.new_weights)
+        self._weight_capacities = [[moved.get((r, i), cap) for i, cap in enumerate(self._weight_capacities[r])]
+                                   for r in plan.kept] + [fresh] * len(plan.fresh)
+        self.weight_layout = plan.new_weights
+        self._resize_weight_regions(plan.new_tp, plan.new_weights, plan.kept)
 
     def _drop_step_memory(self, step):
         for seg in step.cpu_staging.values():
@@ -541,7 +592,52 @@ class ReshardPhase:
                 "live_gpu_blocks": len(plan.gpu_old), "live_cpu_blocks": len(plan.cpu_old),
                 "block_map": plan.gpu_map, "cpu_block_map": plan.cpu_map,
                 "staging_bytes": {r: plan.staging_bytes_for(r, "gpu") for r in plan.kept},
-                "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept}}
+                "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept},
+                **self._weights_report(plan, total, copy_seconds),
+                "device_memory": [self._device_memory(r) for r in range(plan.new_tp)]}
+
+    @staticmethod
+    def _weights_report(plan, total, copy_seconds) -> dict:
+        """The weights' and the KV's shares of the moves. A rank's program copies both in one pass (the same
+        waves, chunks interleaved), so their copy time is one figure: `copy_seconds`, split by bytes here."""
+        weights = sum(sum(plan.moved_weight_bytes(r).values()) for r in range(plan.new_tp))
+        out = {"weights_bytes": weights, "kv_bytes": total - weights,
+               "weights_share": weights / total if total else 0.0, "copies_combined": True}
+        if plan.weights is not None:
+            summary = plan.summary()
+            out["weight_moves"], out["weight_allocations"] = summary["weight_moves"], summary["weight_allocations"]
+        return out
+
+    def _device_memory(self, rank: int) -> dict:
+        """Rank's device memory after the step. sim: from its shared-memory segments. allocated: bytes of the
+        segments its cache and weights lie in; reserved: its allocations (the cache's arena, each weight
+        tensor's allocation); in_use: the tensors of the current geometry; free = reserved - in_use (room a
+        later step may grow into, e.g. a weight allocation larger than its slice after a scale-out);
+        fragmented = allocated - reserved (bytes no allocation covers: a weight tensor's old place after it
+        moved to a new allocation, alignment, segment headers). Other devices: the block count only."""
+        out = {"rank": rank, "gpu_blocks": self.spec.num_gpu_blocks}
+        if self.device != "sim":
+            return out
+        try:
+            cache = read_manifest(self.suffix, rank)
+            weights = read_json_segment(weights_name(self.suffix, rank, "exports"), self.suffix) \
+                if self.weight_layout is not None else []
+        except (SegmentError, ValueError):
+            return out
+        sizes = {e["segment"]: os.stat(os.path.join(SHM_DIR, e["segment"].lstrip("/"))).st_size
+                 for e in cache + weights if "segment" in e}
+        kv_arenas = {e["segment"] for e in cache if "segment" in e}
+        reserved = sum(sizes[s] for s in kv_arenas) + (sum(self._weight_capacities[rank]) if weights else 0)
+        in_use = self.spec.gpu_cache_bytes + (self.weight_layout.gpu_cache_bytes if weights else 0)
+        allocated = sum(sizes.values())
+        out.update(allocated_bytes=allocated, reserved_bytes=reserved, in_use_bytes=in_use,
+                   free_bytes=reserved - in_use, fragmented_bytes=allocated - reserved)
+        return out
+
+
+def slice_bytes(layout) -> list:
+    """Bytes of each weight tensor of a rank's slice (all its device blocks): a new allocation's size."""
+    return [t.num_blocks * t.block_bytes for t in layout.tensors()]
 
 
 def call_bounded(fn, args, deadline, what):

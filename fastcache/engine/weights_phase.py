@@ -55,6 +55,20 @@ class WeightPhases:
                 self._weight_regions[rank] = SharedSegment.create(
                     weights_name(self.suffix, rank, "cpu"), self.weight_layout.cpu_cache_bytes, self.suffix)
 
+    def _resize_weight_regions(self, tp: int, layout: WeightSpec, recreate):
+        """A reshard's CPU weight regions: ranks from tp on lose theirs, ranks in `recreate` get one made anew in
+        `layout`'s size, the others keep theirs."""
+        regions = self._weight_regions + [None] * max(0, tp - len(self._weight_regions))
+        for rank, seg in enumerate(regions):
+            if seg is not None and (rank >= tp or rank in recreate):
+                seg.close()
+                regions[rank] = None
+        regions = regions[:tp]
+        for rank in recreate:
+            regions[rank] = SharedSegment.create(weights_name(self.suffix, rank, "cpu"), layout.cpu_cache_bytes,
+                                                 self.suffix)
+        self._weight_regions = regions
+
     def _release_weight_regions(self):
         for rank, seg in enumerate(self._weight_regions):
             if seg is not None:

@@ -12,17 +12,19 @@ from ..ipc.naming import PREFIX
 from ..ipc.shm import SHM_DIR
 
 
-def start_worker(backend, rank: int, tp: int, spec, framework: str, device_id: int) -> subprocess.Popen:
-    """One `python -m fastcache.worker` for rank of backend's deployment."""
+def start_worker(backend, rank: int, tp: int, spec, framework: str, device_id: int, weights=None) -> subprocess.Popen:
+    """One `python -m fastcache.worker` for rank of backend's deployment (registering `weights`, a WeightSpec,
+    if given)."""
     return subprocess.Popen(
         [sys.executable, "-m", "fastcache.worker", "--rank", str(rank), "--tp", str(tp), "--suffix", backend.suffix,
          "--spec", spec.to_json(), "--engine-pid", str(os.getpid()), "--device", backend.device,
-         "--framework", framework, "--device-id", str(device_id)], stdin=subprocess.DEVNULL)
+         "--framework", framework, "--device-id", str(device_id)]
+        + (["--weights", weights.to_json()] if weights is not None else []), stdin=subprocess.DEVNULL)
 
 
 def start_workers(backend, args, framework):
-    return [start_worker(backend, rank, backend.tp_size, backend.spec, framework, backend.device_ids[rank])
-            for rank in range(backend.tp_size)]
+    return [start_worker(backend, rank, backend.tp_size, backend.spec, framework, backend.device_ids[rank],
+                         backend.weight_layout) for rank in range(backend.tp_size)]
 
 
 def wait_until_ready(backend, workers, timeout):
@@ -66,8 +68,9 @@ class WorkerProcesses:
         spec = spec or b.spec
         tp = step.to_tp if step is not None else b.tp_size
         device_ids = step.device_ids if step is not None else b.device_ids
+        weights = step.weights if step is not None else b.weight_layout     # a new rank: the new slices
         for r in ranks:
-            self.procs[r] = start_worker(b, r, tp, spec, self.framework, device_ids[r])
+            self.procs[r] = start_worker(b, r, tp, spec, self.framework, device_ids[r], weights)
 
     def stop(self, ranks):
         stop_workers([self.procs.pop(r) for r in ranks if r in self.procs])

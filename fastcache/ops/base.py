@@ -142,6 +142,20 @@ class DeviceOps(ABC):
     def reshape(self, cache: LocalCache, spec: CacheSpec, rank: int, device_id: int, framework: str):
         """Re-view a worker's tensors in `spec`'s shape over the same memory (no new allocation)."""
 
+    def reshape_group(self, cache: LocalCache, spec, rank: int, device_id: int, framework: str, replaced: dict):
+        """reshape for the weight group (docs/design.md §9): tensors in `replaced` ({index: allocation from
+        weight_allocation}) move into their new allocation, which the cache then owns; the rest are re-viewed
+        in place."""
+        if replaced:
+            raise ValueError(f"device {self.name!r} cannot move weights into a new allocation")
+        self.reshape(cache, spec, rank, device_id, framework)
+
+    def weight_allocation(self, nbytes: int, suffix: str, rank: int, index: int, seq: int, framework: str,
+                          device_id: int):
+        """A new allocation for weight tensor `index` of a kept rank whose new slice outgrows its own, exported
+        by its `descriptor` for the reshard's moves; close() frees it (if the step is aborted)."""
+        raise ValueError(f"device {self.name!r} cannot move weights into a new allocation")
+
     @abstractmethod
     def reshard_memory(self, suffix: str, plan, device_id: int):
         """A transfer manager's view of every memory a reshard plan touches, with `execute(copy)`,

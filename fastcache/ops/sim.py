@@ -34,6 +34,7 @@ class SimLocalCache(LocalCache):
         offsets, total = _layout(infos)
         name = name or cache_arena_name(suffix, rank, generation)      # name: another group's memory
         self._arena = SharedSegment.create(name, total, suffix)
+        self._held = {}         # segments a reshard gave tensors of this cache (weights that outgrew the arena)
         self.tensors, self.manifest = {}, []
         for info, offset in zip(infos, offsets):
             array = self._arena.array(NUMPY_STORAGE[info.dtype], info.shape, offset)
@@ -41,8 +42,22 @@ class SimLocalCache(LocalCache):
             self.manifest.append({"name": info.name, "segment": self._arena.name, "offset": offset,
                                   "nbytes": info.nbytes})
 
+    def segment(self, name: str) -> SharedSegment:
+        """The arena or a held segment, by name."""
+        return self._arena if name == self._arena.name else self._held[name]
+
+    def hold(self, segment: SharedSegment):
+        """Own another segment until release (a reshard's new allocation of a tensor)."""
+        self._held[segment.name] = segment
+
+    def drop_unused(self, names):
+        """Free held segments no tensor lies in any more."""
+        for name in [n for n in self._held if n not in names]:
+            self._held.pop(name).close()
+
     def release(self):
         self.tensors = {}
+        self.drop_unused(())
         self._arena.close()
 
 
@@ -273,6 +288,14 @@ class SimOps(DeviceOps):
     def reshape(self, cache, spec, rank, device_id, framework):
         from .sim_reshard import reshape
         reshape(cache, spec, rank, device_id, framework)
+
+    def reshape_group(self, cache, spec, rank, device_id, framework, replaced):
+        from .sim_reshard import reshape
+        reshape(cache, spec, rank, device_id, framework, replaced)
+
+    def weight_allocation(self, nbytes, suffix, rank, index, seq, framework, device_id):
+        from .sim_reshard import SimWeightAllocation
+        return SimWeightAllocation(suffix, rank, index, seq, nbytes)
 
     def reshard_memory(self, suffix, plan, device_id):
         from .sim_reshard import SimMemory

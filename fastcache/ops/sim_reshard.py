@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment
-from ..ipc.naming import reshard_exports_name, reshard_staging_name
+from ..ipc.naming import reshard_exports_name, reshard_staging_name, weights_name
 from ..ipc.shm import SharedSegment
 from ..reshard_plan import Plan
 from .base import manifest_entry
@@ -32,24 +32,43 @@ class SimStaging:
         self.segment.close()
 
 
-def reshape(cache, spec: CacheSpec, rank: int, device_id: int, framework: str):
-    """Re-view a SimLocalCache's tensors in spec's shape, each at its old offset of the same arena."""
+class SimWeightAllocation:
+    """A kept rank's new allocation of one weight tensor that outgrew its own (docs/design.md §9): a segment
+    the transfer managers fill during the moves and the worker's weights take over at commit."""
+
+    def __init__(self, suffix: str, rank: int, index: int, seq: int, nbytes: int):
+        self.nbytes = nbytes
+        self.segment = SharedSegment.create(weights_name(suffix, rank, f"t{index}s{seq}"), nbytes, suffix)
+        self.descriptor = {"device": "sim", "segment": self.segment.name, "nbytes": nbytes}
+
+    def close(self):
+        self.segment.close()
+
+
+def reshape(cache, spec, rank: int, device_id: int, framework: str, replaced=None):
+    """Re-view a SimLocalCache's tensors in spec's shape, each at its old offset of the same segment, or at the
+    start of its new allocation (`replaced`: {tensor index: SimWeightAllocation}, which the cache then owns).
+    A segment no tensor is left in is freed (an earlier new allocation); the arena stays whole."""
     infos = spec.tensors(rank, device_id)
     if len(infos) != len(cache.manifest):
         raise ValueError(f"the new spec has {len(infos)} tensors, the cache {len(cache.manifest)}")
-    arena = cache._arena
-    offsets = [entry["offset"] for entry in cache.manifest]
-    limits = sorted(offsets)[1:] + [arena.size]
-    limit_of = dict(zip(sorted(offsets), limits))
+    replaced = replaced or {}
+    for alloc in replaced.values():
+        cache.hold(alloc.segment)
+    places = [(replaced[i].segment.name, 0) if i in replaced else (e["segment"], e["offset"])
+              for i, e in enumerate(cache.manifest)]
     tensors, manifest = {}, []
-    for info, entry in zip(infos, cache.manifest):
-        offset = entry["offset"]
-        if offset + info.nbytes > limit_of[offset]:
+    for info, (name, offset) in zip(infos, places):
+        seg = cache.segment(name)
+        # a tensor may grow up to the next tensor in its segment
+        limit = min([o for n, o in places if n == name and o > offset], default=seg.size)
+        if offset + info.nbytes > limit:
             raise ValueError(f"{info.name} of {info.nbytes} bytes does not fit where it was allocated")
-        array = arena.array(NUMPY_STORAGE[info.dtype], info.shape, offset)
+        array = seg.array(NUMPY_STORAGE[info.dtype], info.shape, offset)
         tensors[info.name] = wrap_host_array(array, info.dtype, framework)
-        manifest.append({"name": info.name, "segment": entry["segment"], "offset": offset, "nbytes": info.nbytes})
+        manifest.append({"name": info.name, "segment": name, "offset": offset, "nbytes": info.nbytes})
     cache.tensors, cache.manifest = tensors, manifest
+    cache.drop_unused({name for name, _ in places})
 
 
 # -- transfer-manager side -------------------------------------------------------------------------
@@ -58,7 +77,7 @@ class SimMemory(HostMemory):
 
     def __init__(self, suffix: str, plan: Plan):
         super().__init__(suffix, plan)
-        self._manifests = {}
+        self._manifests, self._weight_manifests = {}, {}
         self.execute = numpy_copy(self.resolve)
 
     def flush(self):
@@ -77,4 +96,18 @@ class SimMemory(HostMemory):
                                  f"manager")
             need = self.plan.staging_bytes_for(ref[1], "gpu")
             return self._view(self._segment(desc["segment"]), 0, need, f"staging of rank {ref[1]}")
+        if ref[0] == "weights":     # the rank's current weight tensor: old rows as a source, new as a destination
+            rank, index = ref[1], ref[2]
+            manifest = self._weight_manifests.get(rank)
+            if manifest is None:
+                manifest = self._weight_manifests[rank] = read_json_segment(
+                    weights_name(self.suffix, rank, "exports"), self.suffix)
+            entry = manifest[index]
+            return self._view(self._segment(entry["segment"]), entry["offset"],
+                              self.plan.region_bytes(self.plan.weight_spaces[index], rank), entry["name"])
+        if ref[0] == "weights_new":
+            rank, index = ref[1], ref[2]
+            desc = read_json_segment(weights_name(self.suffix, rank, "reshard_exports"), self.suffix)[str(index)]
+            return self._view(self._segment(desc["segment"]), 0, self.plan.weight_spaces[index].new_bytes(),
+                              f"new allocation of weight tensor {index} of rank {rank}")
         return super()._resolve(ref)

@@ -6,7 +6,8 @@
   through the staging buffer, journaled; fresh ranks straight into their empty memory). The plan is
   computed here from the same inputs the engine used, so both agree chunk by chunk.
 - commit: take the new spec and tp, re-attach the cache (its worker re-exports it in the new shape) and
-  the CPU tier (re-pinned in the new geometry on CUDA), meet at the barrier.
+  the CPU tier (re-pinned in the new geometry on CUDA), and the weights in their new layout, meet at the
+  barrier.
 - abort: re-attach what the old layout had and meet at the barrier (nothing was overwritten yet).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from ..config import CacheSpec
 from ..reshard_plan import Capacity, Plan, run_chunks
 from ..ipc import protocol
+from ..weight_spec import WeightSpec
 
 log = logging.getLogger("fastcache.transfer")
 
@@ -55,8 +57,10 @@ def decode_step(header, ids):
         try:
             old_spec = CacheSpec.from_json(body["old_spec"])
             capacities = [Capacity(*map(int, c)) for c in body["capacities"]]
+            weights = WeightSpec.from_json(body["weights"]) if "weights" in body else None
             plan = Plan(old_spec, int(body["from_tp"]), int(body["to_tp"]), capacities, ids[0], ids[2],
-                        int(body["staging_bytes"]), gpu_new=ids[1], cpu_new=ids[3])
+                        int(body["staging_bytes"]), gpu_new=ids[1], cpu_new=ids[3], weights=weights,
+                        weight_capacities=body.get("weight_capacities"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"reshard move body is incomplete: {exc!r}") from None
     return body, plan
@@ -84,10 +88,14 @@ class ReshardRunner:
             try:
                 spec = CacheSpec.from_json(body["new_spec"])
                 tp = int(body["to_tp"])
+                weights = WeightSpec.from_json(body["weights"]).resharded(tp) if "weights" in body else None
             except (KeyError, ValueError, TypeError) as exc:
                 m.send("phase_failed", phase="reshard_commit", rank=m.rank, error=f"bad commit: {exc}")
                 return
             self._detach_all()
+            if m.weights is not None and weights is not None and m.weights.layout != weights:
+                m.weights.detach(region=True)       # re-attached in the new layout (the engine made a new region)
+                m.weights.layout = weights
             m.spec, m.tp_size, m.infos = spec, tp, spec.tensors(m.rank, m.device_id)
             m.signals.resize(tp)
             self._restore("reshard_commit")

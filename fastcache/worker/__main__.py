@@ -11,6 +11,7 @@ import threading
 
 from ..config import CacheSpec, Settings
 from ..ipc.heartbeat import process_alive
+from ..weight_spec import WeightSpec
 from .cache_worker import CacheWorker
 
 
@@ -24,10 +25,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="sim", choices=("sim", "cuda", "auto"))
     p.add_argument("--framework", default="numpy")
     p.add_argument("--device-id", type=int, default=None)
+    p.add_argument("--weights", default=None, help="register the weight group: its WeightSpec as JSON "
+                   "(SwapBackend.weight_layout, or resharding.weights for a rank a reshard adds)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [worker rank{args.rank}] %(levelname)s %(message)s")
     try:
         spec, settings = CacheSpec.from_json(args.spec), Settings.from_env()
+        weights = WeightSpec.from_json(args.weights) if args.weights else None
     except ValueError as exc:
         print(f"fastcache.worker: {exc}", file=sys.stderr)
         return 2
@@ -37,6 +41,8 @@ def main(argv=None) -> int:
                          framework=args.framework, device_id=args.device_id, settings=settings)
     worker.start()
     try:
+        if weights is not None:
+            worker.register_weights(weights)
         while not stop.wait(0.5):
             if not process_alive(args.engine_pid):
                 logging.getLogger("fastcache.worker").error("rank %d: engine is gone; exiting", args.rank)

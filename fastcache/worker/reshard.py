@@ -11,6 +11,12 @@ engine bumps the attempt after resetting the barrier):
   and re-exports them; the staging buffer goes; cache_ready = 1; then the barrier. A rank started during
   the step (start_workers) has the new shape already and only meets the barrier.
 - ABORT (ranks of the old tp; nothing was overwritten): the staging buffer goes, cache_ready = 1, barrier.
+
+Weights (registered, every layer resident) follow the cache: PREPARE allocates the new allocations the plan
+gives this rank (weight tensors whose new slice outgrows their own), exports them by name and marks the
+weights' export stale (weights_ready[r, 0] = 0); COMMIT re-views the others in the new slice shapes in place,
+switches those to their new allocations (the old bytes are left unused), re-exports the manifest and sets
+weights_ready[r, 0] = 1; ABORT frees the new allocations and sets it back.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import logging
 
 from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment, write_json_segment
-from ..ipc.naming import reshard_exports_name, reshard_plan_name
+from ..ipc.naming import reshard_exports_name, reshard_plan_name, weights_name
+from ..weight_spec import WeightSpec
 from ..ipc.protocol import ABORT, COMMIT, PREPARE, STAGE_NAMES
 
 log = logging.getLogger("fastcache.worker")
@@ -36,6 +43,8 @@ class ReshardFollower:
         self.done = None            # the last attempt (reshard_state[4]) seen
         self.staging = None
         self.exports = None
+        self.new_weights = {}           # tensor index -> this rank's new allocation (PREPARE to COMMIT)
+        self.new_weight_exports = None
 
     def poll(self):
         w = self.w
@@ -78,6 +87,20 @@ class ReshardFollower:
             self.exports = write_json_segment(reshard_exports_name(w.suffix, w.rank), self.staging.descriptor,
                                               w.suffix)
         w.signals.cache_ready[w.rank] = 0      # the export describes the old shape from now on
+        if w.weights is not None and "new_weights" in plan:
+            self._prepare_weights(plan, seq)
+
+    def _prepare_weights(self, plan, seq):
+        w = self.w
+        mine = {int(i): int(n) for r, i, n in plan.get("weight_allocations", []) if int(r) == w.rank}
+        if set(mine) != set(self.new_weights) or any(self.new_weights[i].nbytes != n for i, n in mine.items()):
+            self.release_weights()
+            for i, n in mine.items():
+                self.new_weights[i] = w.ops.weight_allocation(n, w.suffix, w.rank, i, seq, w.framework, w.device_id)
+            self.new_weight_exports = write_json_segment(
+                weights_name(w.suffix, w.rank, "reshard_exports"),
+                {str(i): a.descriptor for i, a in self.new_weights.items()}, w.suffix)
+        w.signals.weights_ready[w.rank, 0] = 0      # the weights' export describes the old slices from now on
 
     def _commit(self, seq, kept):
         w = self.w
@@ -87,6 +110,11 @@ class ReshardFollower:
         spec, tp = CacheSpec.from_json(plan["new_spec"]), int(plan["to_tp"])
         if kept and w.spec != spec:
             w.reshape(spec)
+        if w.weights is not None and "new_weights" in plan:
+            layout = WeightSpec.from_json(plan["new_weights"])
+            if w.weights.layout != layout:      # a kept rank (a new one registered the new layout)
+                replaced, self.new_weights = self.new_weights, {}
+                w.weights.reshard(layout, replaced)
         w.spec, w.tp_size = spec, tp
         w.signals.resize(tp)
         self.release()
@@ -97,6 +125,8 @@ class ReshardFollower:
         self.release()
         if w.ready:
             w.signals.cache_ready[w.rank] = 1
+        if w.weights is not None and w.weights.allocated:
+            w.signals.weights_ready[w.rank, 0] = 1
 
     @staticmethod
     def forget(cache):
@@ -111,3 +141,13 @@ class ReshardFollower:
             exports.close()
         if staging is not None:
             staging.close()
+        self.release_weights()
+
+    def release_weights(self):
+        """Free new weight allocations nobody took over (abort, close) and their export."""
+        exports, self.new_weight_exports = self.new_weight_exports, None
+        if exports is not None:
+            exports.close()
+        allocations, self.new_weights = self.new_weights, {}
+        for alloc in allocations.values():
+            alloc.close()

@@ -43,9 +43,23 @@ class WorkerWeights:
         self.generation += 1
         self._local = w.ops.allocate_group(self.layout, w.rank, w.device_id, w.framework, w.suffix,
                                            self.generation, "weights")
+        self._publish()
+
+    def reshard(self, layout: WeightSpec, replaced: dict):
+        """A reshard's commit (docs/design.md §9): the tensors re-viewed in `layout`'s slice shapes in place, or
+        taken over from their new allocations (`replaced`: {tensor index: allocation}), and exported again."""
+        w = self.worker
+        w.ops.reshape_group(self._local, layout, w.rank, w.device_id, w.framework, replaced)
+        self.layout = layout
+        self._publish()
+
+    def _publish(self):
+        w = self.worker
         infos = self.layout.tensors(w.rank, w.device_id)
         self._by_name = {name: self._local.tensors[info.name]
                          for (name, _, _), info in zip(self.layout.layer_tensors, infos)}
+        if self._manifest is not None:
+            self._manifest.close()
         self._manifest = write_json_segment(weights_name(w.suffix, w.rank, "exports"), self._local.manifest, w.suffix)
         w.signals.weights_ready[w.rank, 0] = 1
 
