@@ -227,6 +227,11 @@ class Chunk:
     gather: tuple
     write: tuple = ()
 
+    @property
+    def of_weights(self) -> bool:
+        """Does it build weight rows (every chunk builds rows of one space: KV or one weight tensor)?"""
+        return bool(self.gather) and self.gather[0].src[0] == "weights"
+
 
 def _pieces(total_heads, old_tp, new_tp, head_bytes):
     """Per new rank, the (src_rank, src_off, dst_off, length) head slices of one tensor's row."""
@@ -603,16 +608,18 @@ class Plan:
         return out
 
 
-def run_chunks(chunks, execute, journal=None, flush=lambda: None):
+def run_chunks(chunks, execute, journal=None, flush=lambda: None, before=lambda i: None):
     """Execute a program's chunks with `execute(copy)`. With a journal (get() -> int, set(int)), progress is
     recorded per chunk (2i+1: chunk i staged, 2i+2: written) and a program that was cut short resumes where
     it stopped: a staged chunk is written again from the staging buffer, whose sources may be gone.
-    `flush()` must return once every copy issued so far has landed (a device stream's synchronize)."""
+    `flush()` must return once every copy issued so far has landed (a device stream's synchronize).
+    `before(i)` runs before chunk i is executed (a timer's mark)."""
     done = journal.get() if journal is not None else 0
     first, staged = divmod(done, 2)
     for i, chunk in enumerate(chunks):
         if i < first:
             continue
+        before(i)
         if journal is None:
             for c in chunk.gather:
                 execute(c)

@@ -531,6 +531,18 @@ def test_the_launcher_runs_liquid_cycles_and_reports_every_step(tmp_path):
     assert [(s["from_tp"], s["to_tp"]) for s in steps] == [(1, 2), (2, 1)]
     assert all(s["bytes_moved"] > 0 and s["gbps"] > 0 and s["shm_peak_mib"] <= s["shm_limit_mib"] for s in steps)
     assert [s["gpu_blocks_per_rank"] for s in steps] == [[32, 64], [64, 32]]
+    # weights by default: they move with the KV, timed apart, and every byte is checked after every step
+    assert all(s["weights_bytes"] > 0 and s["weights_gbps"] > 0 and s["kv_gbps"] > 0 for s in steps)
+    assert [sorted({(m["from"], m["to"]) for m in s["weight_moves"]}) for s in steps] == \
+        [[(0, 0), (0, 1)], [(0, 0), (1, 0)]]
+    assert [[d["gpu_blocks"] for d in s["device_memory"]] for s in steps] == [[64, 64], [32]]
+    assert "weight shards moved" in proc.stdout
+    kv_only = subprocess.run([sys.executable, "-m", "fastcache.launch", "--reshard", "1,2", "--reshard-cycles", "1",
+                              "--num-layers", "2", "--num-gpu-blocks", "32", "--num-cpu-blocks", "16",
+                              "--num-kv-heads", "2", "--head-dim", "16", "--no-weights", "--json", str(out)],
+                             capture_output=True, text=True, timeout=300)
+    assert kv_only.returncode == 0, kv_only.stdout[-3000:] + kv_only.stderr[-3000:]
+    assert json.loads(out.read_text())["reshard_steps"][0]["weights_bytes"] == 0
     bad = subprocess.run([sys.executable, "-m", "fastcache.launch", "--reshard", "1,3,1"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "do not divide the 4 KV heads" in bad.stderr

@@ -82,7 +82,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         self._submit_lock = threading.Lock()
         self._phase_lock = threading.Lock()
         self._phase_acks: dict[str, dict[int, str | None]] = {}
-        self._copy_seconds: dict[int, float] = {}       # rank -> its last reshard move's copy time
+        self._copy_seconds: dict[int, tuple] = {}       # rank -> its last reshard move's (copy, weights) seconds
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
         self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # and the weight streams' (ipc/layers.py)

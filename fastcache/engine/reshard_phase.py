@@ -425,7 +425,11 @@ class ReshardPhase:
         if role == "program":
             step.wave_ranks_done |= done
         step.times.setdefault("waves", []).append((role, ranks, time.perf_counter() - began))
-        step.times.setdefault("copies", []).append(max((copies.get(r, 0.0) for r in done), default=0.0))
+        # the wave lasts as long as its slowest rank: the slowest KV part and the slowest weights part
+        times = [copies.get(r, (0.0, 0.0)) for r in done]
+        step.times.setdefault("copies", []).append(max((c for c, _ in times), default=0.0))
+        step.times.setdefault("kv_copies", []).append(max((c - w for c, w in times), default=0.0))
+        step.times.setdefault("weight_copies", []).append(max((w for _, w in times), default=0.0))
         problems = [f"rank {r}: {self._failed[r]}" for r in ranks if r in self._failed]
         problems += [f"rank {r}: {e}" for r, e in sorted(got.items()) if e is not None and r in ranks]
         late = sorted(set(ranks) - set(got) - set(self._failed))
@@ -593,16 +597,20 @@ class ReshardPhase:
                 "block_map": plan.gpu_map, "cpu_block_map": plan.cpu_map,
                 "staging_bytes": {r: plan.staging_bytes_for(r, "gpu") for r in plan.kept},
                 "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept},
-                **self._weights_report(plan, total, copy_seconds),
+                **self._weights_report(plan, total, sum(step.times.get("kv_copies", [])),
+                                       sum(step.times.get("weight_copies", []))),
                 "device_memory": [self._device_memory(r) for r in range(plan.new_tp)]}
 
     @staticmethod
-    def _weights_report(plan, total, copy_seconds) -> dict:
-        """The weights' and the KV's shares of the moves. A rank's program copies both in one pass (the same
-        waves, chunks interleaved), so their copy time is one figure: `copy_seconds`, split by bytes here."""
+    def _weights_report(plan, total, kv_seconds, weights_seconds) -> dict:
+        """The KV's and the weights' parts of the moves: bytes, and copy seconds (a rank's program builds its
+        KV rows, then its weight rows, timed apart; per wave the slowest rank's part, summed over waves)."""
         weights = sum(sum(plan.moved_weight_bytes(r).values()) for r in range(plan.new_tp))
-        out = {"weights_bytes": weights, "kv_bytes": total - weights,
-               "weights_share": weights / total if total else 0.0, "copies_combined": True}
+        kv = total - weights
+        out = {"weights_bytes": weights, "kv_bytes": kv, "weights_share": weights / total if total else 0.0,
+               "kv_seconds": kv_seconds, "weights_seconds": weights_seconds,
+               "kv_gbps": kv / kv_seconds / 1e9 if kv_seconds else 0.0,
+               "weights_gbps": weights / weights_seconds / 1e9 if weights_seconds else 0.0}
         if plan.weights is not None:
             summary = plan.summary()
             out["weight_moves"], out["weight_allocations"] = summary["weight_moves"], summary["weight_allocations"]

@@ -36,7 +36,8 @@ SCHEMAS = {
     "failed": {"task_id": int, "rank": int, "error": str},
     "clear": {"release_swap_space": bool},
     "restore": {},
-    "phase_done": {"phase": str, "rank": int, "copy_seconds": float},   # copy_seconds: a reshard move's copies
+    # a reshard move's copy time, and the part of it that built weight rows
+    "phase_done": {"phase": str, "rank": int, "copy_seconds": float, "weights_seconds": float},
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
     "ping": {},     # a numbered no-op: shows a rank the gap a phase command taken off its pipe left (engine/channel.py)

@@ -24,7 +24,7 @@ from ..ops.frameworks import FRAMEWORKS
 from ..store import StoreError, parse_store_url
 from ..store.service import store_for_run
 from .harness import conclude, start_workers, stop_workers, wait_until_ready
-from .liquid import parse_tps, run_liquid
+from .liquid import liquid_weights, parse_tps, run_liquid
 from .model import pick_framework
 from .offload import run_offload
 from .verify import Checks, Verifier
@@ -68,6 +68,9 @@ def build_parser():
                         "(the first is the starting tp; --num-kv-heads is per rank at it); every block verified "
                         "after every step (docs/design.md §9)")
     g.add_argument("--reshard-cycles", type=int, default=2, help="times to go through the --reshard tp sizes")
+    g.add_argument("--no-weights", dest="reshard_weights", action="store_false",
+                   help="--reshard moves the KV only (by default a model's weights, column-split, row-split and "
+                        "replicated tensors, are registered and move with it, every byte verified)")
     g.add_argument("--offload-weights", metavar="FRACTION", type=float, default=None,
                    help="instead of the swap workload: a small model run all resident and with this fraction of its "
                         "layers offloaded and streamed through a ring of 2 slots; outputs compared bit for bit, "
@@ -163,8 +166,9 @@ def main(argv=None) -> int:
                 report["store"] = store
                 print(f"  store {store}", flush=True)
             # on a machine with fewer GPUs than ranks, ranks share them (a one-GPU machine runs tp=2 on GPU 0)
+            weights = liquid_weights(spec, args.tp) if args.reshard and args.reshard_weights else None
             backend = SwapBackend(spec, tp_size=args.tp, device=device, settings=settings, store=store,
-                                  device_ids=round_robin_devices(device, args.tp))
+                                  device_ids=round_robin_devices(device, args.tp), weights=weights)
         except (ValueError, StoreError) as exc:
             print(f"fastcache.launch: {exc}", file=sys.stderr)
             return 2

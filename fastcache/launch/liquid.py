@@ -3,7 +3,9 @@
 One worker process and one transfer manager per rank, as in a real deployment. Between steps: random data
 written into live GPU blocks, swaps out to the CPU tier and back in elsewhere. After every step: every live
 GPU block and every used CPU block compared bit for bit, on every rank, with what it held before (the
-ranks' head slices concatenated), then a swap round and a clear/restore cycle. During every step /dev/shm is
+ranks' head slices concatenated), and with weights registered (the default: `liquid_weights`, column-split,
+row-split and replicated tensors) every weight byte of every rank against its slice of the full random
+tensors; then a swap round and a clear/restore cycle. During every step /dev/shm is
 sampled: the deployment may hold no more than its caches and CPU tiers before or after the step (whichever
 is more, the new ranks' included) plus the staging buffers.
 """
@@ -16,17 +18,77 @@ import time
 import numpy as np
 
 from ..engine import TieredCache
-from ..ipc.manifest import read_manifest
-from ..ipc.naming import PREFIX
+from ..ipc.manifest import read_json_segment, read_manifest
+from ..ipc.naming import PREFIX, weights_name
 from ..ipc.shm import SHM_DIR
 from ..ops import get_ops, round_robin_devices
+from ..ops.frameworks import NUMPY_STORAGE
 from ..reshard_plan import least
+from ..weight_spec import WeightSpec
 from .harness import WorkerProcesses, conclude, shm_bytes, wait_until_ready
 
 
 def full_rows(rows_per_rank):
     """The full-head row of a block from each rank's slice (rows are head-major: ranks concatenate)."""
     return np.concatenate(rows_per_rank, axis=-1)
+
+
+def liquid_weights(spec, tp: int) -> WeightSpec:
+    """A model for a deployment of `spec` at tp: per layer a column-parallel qkv (split dim 0), a row-parallel
+    o (split dim 1) and a replicated norm, the attention's sizes, so every tp that divides the KV heads
+    divides their split dims too."""
+    hidden = spec.num_kv_heads * tp * spec.head_dim
+    dtype = spec.cache_dtype
+    return WeightSpec(spec.num_layers, {"qkv": ((3 * hidden, hidden), dtype, 0), "o": ((hidden, hidden), dtype, 1),
+                                        "norm": ((hidden,), "float32")}, tp_size=tp)
+
+
+class WeightModel:
+    """Full random weight tensors (never zero bytes), and each rank's slice of them against the ranks' memory
+    (attached by the weights' export, as a transfer manager does)."""
+
+    def __init__(self, backend, rng):
+        self.b = backend
+        self.ops = get_ops(backend.device)
+        layout = backend.weight_layout
+        self.full = {}
+        for name, _, dtype in layout.layer_tensors:
+            shape = (layout.num_gpu_blocks, *layout.full_shape(name))
+            storage = np.dtype(NUMPY_STORAGE[dtype])
+            raw = rng.integers(1, 256, int(np.prod(shape)) * storage.itemsize, dtype=np.uint8)
+            self.full[name] = raw.view(storage).reshape(shape)
+
+    def _views(self):
+        b, layout = self.b, self.b.weight_layout
+        return [self.ops.attach(read_json_segment(weights_name(b.suffix, r, "exports"), b.suffix),
+                                layout.tensors(r, b.device_ids[r]), b.suffix) for r in range(b.tp_size)]
+
+    def _slice(self, name, rank) -> np.ndarray:
+        part = self.full[name][(slice(None), *self.b.weight_layout.rank_slice(name, rank))]
+        return np.ascontiguousarray(part).view(np.uint8).reshape(part.shape[0], -1)
+
+    def load(self):
+        for r, view in enumerate(self._views()):
+            for i, (name, _, _) in enumerate(self.b.weight_layout.layer_tensors):
+                view.write(i, self._slice(name, r))
+            view.close()
+
+    def check(self) -> list:
+        """(rank, tensor) whose bytes differ from the slice of the full tensor."""
+        bad = []
+        for r, view in enumerate(self._views()):
+            for i, (name, _, _) in enumerate(self.b.weight_layout.layer_tensors):
+                if not np.array_equal(view.read(i), self._slice(name, r)):
+                    bad.append((r, name))
+            view.close()
+        return bad
+
+    def corrupt(self, rank, index, byte):
+        view = self._views()[rank]
+        rows = view.read(index)
+        rows.reshape(-1)[byte] ^= 0xFF
+        view.write(index, rows)
+        view.close()
 
 
 class BlockModel:
@@ -252,6 +314,10 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
     """Reshard through tps (tps[0] is the current tp) `cycles` times, verifying after every step."""
     model = BlockModel(backend, rng)
     model.attach()
+    weights = WeightModel(backend, rng) if backend.weight_layout is not None else None
+    if weights is not None:
+        weights.load()
+        checks.check(not weights.check(), "every rank's weights hold their slice of the random full tensors")
     heads = backend.spec.num_kv_heads * backend.tp_size
     # live blocks: half of what a rank holds at the smallest tp of the cycle (a scale-in must compact)
     gpu_keep = max(1, min(blocks_at(backend, tp)[0] for tp in tps) // 2)
@@ -290,6 +356,10 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
                                             f"plus staging ({staging / 2**20:.2f} MiB)")
         checks.check(all(len(v.infos) for v in model.views) and len(model.views) == tp,
                      f"step {k + 1}: {tp} ranks serve the new shape")
+        if weights is not None:
+            bad = weights.check()
+            checks.check(not bad, f"step {k + 1}: every weight byte of every rank equals its slice of the full "
+                                  f"tensors at tp {tp} ({len(bad)} (rank, tensor) differ: {bad[:4]})")
         moved = model.swap_round(swap_blocks)
         bad = model.check()
         checks.check(not bad and moved > 0, f"step {k + 1}: swaps after the step ({moved} blocks each way)")
@@ -313,19 +383,41 @@ def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, 
                 "live_gpu_blocks": r["live_gpu_blocks"], "live_cpu_blocks": r["live_cpu_blocks"],
                 "shm_before_mib": before / 2**20, "shm_after_mib": after / 2**20,
                 "shm_nominal_mib": max(before_nominal, after_nominal) / 2**20, "shm_limit_mib": limit / 2**20,
-                "shm_peak_mib": sampler.peak / 2**20, "staging_mib": staging / 2**20, "shm_samples": sampler.samples}
+                "shm_peak_mib": sampler.peak / 2**20, "staging_mib": staging / 2**20, "shm_samples": sampler.samples,
+                **{key: r[key] for key in ("kv_bytes", "kv_seconds", "kv_gbps", "weights_bytes", "weights_seconds",
+                                           "weights_gbps", "weight_moves", "weight_allocations", "device_memory")
+                   if key in r}}
         steps.append(step)
         log(f"  step {k + 1}: tp {r['from_tp']} -> {tp}: {r['bytes_moved'] / 2**20:.1f} MiB moved in "
             f"{r['move_seconds'] * 1e3:.1f} ms ({r['gbps']:.2f} GB/s, one memcpy {step['memcpy_gbps']:.2f}; step "
             f"{seconds * 1e3:.0f} ms), GPU blocks per rank "
             f"{r['gpu_blocks_per_rank'][0]} -> {r['gpu_blocks_per_rank'][1]}, /dev/shm peak {sampler.peak / 2**20:.1f} "
             f"MiB (limit {limit / 2**20:.1f})")
+        if weights is not None:
+            log("           " + step_weights_line(step))
     model.detach()
     tiered.close()
     report["reshard_tiered_loaded"] = tiered.loaded
     report["reshard_steps"] = steps
     report["reshard_heads"] = heads
     return steps
+
+
+def step_weights_line(step: dict) -> str:
+    """The seed log's fields of a step: KV and weights moved (bytes, seconds, GB/s), which weight shards went
+    from which ranks to which, and each rank's device memory after it."""
+    moves = {}
+    for m in step["weight_moves"]:
+        moves[(m["from"], m["to"])] = moves.get((m["from"], m["to"]), 0) + m["bytes"]
+    shards = ", ".join(f"{a}->{b} {n / 2**20:.2f}" for (a, b), n in sorted(moves.items()))
+    memory = "; ".join(
+        f"rank {d['rank']}: {d['gpu_blocks']} blocks" + (
+            f", allocated {d['allocated_bytes'] / 2**20:.1f} reserved {d['reserved_bytes'] / 2**20:.1f} "
+            f"free {d['free_bytes'] / 2**20:.1f} frag {d['fragmented_bytes'] / 2**20:.1f} MiB"
+            if "allocated_bytes" in d else "") for d in step["device_memory"])
+    return (f"kv {step['kv_bytes'] / 2**20:.1f} MiB in {step['kv_seconds'] * 1e3:.1f} ms ({step['kv_gbps']:.2f} GB/s), "
+            f"weights {step['weights_bytes'] / 2**20:.1f} MiB in {step['weights_seconds'] * 1e3:.1f} ms "
+            f"({step['weights_gbps']:.2f} GB/s); weight shards moved (MiB) {shards or 'none'}; {memory}")
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -413,5 +505,8 @@ def print_liquid(report, checks):
               f"{s['gpu_blocks_per_rank'][0]:>6} -> {s['gpu_blocks_per_rank'][1]:<6}  "
               f"{s['cpu_blocks_per_rank'][0]:>6} -> {s['cpu_blocks_per_rank'][1]:<6}  "
               f"{s['live_gpu_blocks']:>5}/{s['live_cpu_blocks']:<5}  {s['shm_peak_mib']:.1f}/{limit:.1f}")
+    for k, s in enumerate(report.get("reshard_steps", [])):
+        if "weight_moves" in s:
+            print(f"  {k + 1:>4}  {step_weights_line(s)}")
     status = "PASSED" if not checks.failed else "FAILED"
     print(f"  checks          {checks.passed} passed, {len(checks.failed)} failed: {status}")

@@ -137,9 +137,9 @@ class TransferManager:
             self.send("phase_failed", phase=phase, rank=self.rank, error=str(exc))
             return
         self.phase = next_phase
-        self.send("phase_done", phase=phase, rank=self.rank, copy_seconds=0.0)
+        self.send("phase_done", phase=phase, rank=self.rank, copy_seconds=0.0, weights_seconds=0.0)
         if phase in ("restore", "reshard_commit", "reshard_abort"):
-            self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0)
+            self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0, weights_seconds=0.0)
 
     # -- attach / detach -------------------------------------------------------------------------
     def _try_attach(self):
@@ -187,7 +187,7 @@ class TransferManager:
                 self._export_layer_events()
             log.info("rank %d: attached %d tensors in %.3f s", self.rank, len(self.infos), time.perf_counter() - began)
             if self.phase == "running":
-                self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0)
+                self.send("phase_done", phase="attach", rank=self.rank, copy_seconds=0.0, weights_seconds=0.0)
 
     def _export_layer_events(self):
         """cuda: the events layer-by-layer swap-ins record per layer, exported once for this process's life

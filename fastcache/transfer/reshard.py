@@ -138,15 +138,24 @@ class ReshardRunner:
             memory = m.ops.reshard_memory(m.suffix, plan, m.device_id)
             execute, flush = _paced(memory.execute, m.rank), _paced(memory.flush, m.rank)
             copying = time.perf_counter()
+            weights_began = None
             try:
                 if role == "compact":
                     run_chunks(plan.compaction(m.rank), execute, flush=flush)
                 else:
                     chunks, journaled = plan.program(m.rank)
                     journal = Journal(m.signals.reshard_progress, m.rank, int(body["seq"])) if journaled else None
-                    run_chunks(chunks, execute, journal, flush=flush)
+
+                    def before(i):      # a program builds the KV rows, then the weights': time each part
+                        nonlocal weights_began
+                        if weights_began is None and chunks[i].of_weights:
+                            flush()
+                            weights_began = time.perf_counter()
+                    run_chunks(chunks, execute, journal, flush=flush, before=before)
             finally:
-                copying = time.perf_counter() - copying
+                ended = time.perf_counter()
+                weights_seconds = ended - weights_began if weights_began is not None else 0.0
+                copying = ended - copying
                 memory.close()
         except Exception as exc:        # a failed step fails this rank's part, never the process
             log.error("rank %d: reshard %s failed: %s", m.rank, role, exc)
@@ -155,7 +164,7 @@ class ReshardRunner:
             return
         log.info("rank %d: reshard %s done in %.3f s (plan %.3f s, programs and copies %.3f s)", m.rank, role,
                  time.perf_counter() - start + planned, planned, copying)
-        m.send("phase_done", phase="reshard_move", rank=m.rank, copy_seconds=copying)
+        m.send("phase_done", phase="reshard_move", rank=m.rank, copy_seconds=copying, weights_seconds=weights_seconds)
 
 
 TEST_PACE = "FASTCACHE_TEST_RESHARD_PACE"     # RANK:SECONDS, tests only: rank sleeps after every copy and flush
