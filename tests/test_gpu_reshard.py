@@ -55,6 +55,67 @@ def test_ranks_sharing_one_gpu_reshard_1_2_4_2_1_bit_for_bit():
             workers.close()
 
 
+def reshard_weights_with_the_kv(device, framework, path, device_ids=None):
+    """Weights (column-split, row-split, replicated) and KV resharded along `path` with worker processes, the
+    ranks on `device_ids(tp)`; after every step every weight byte of every rank is checked against its slice of
+    the full random tensors and every live block against what it held. KV tensors of 16 MiB: under torch's
+    caching allocator each is a cudaMalloc of its own, so a process that maps a rank's KV and its weights (the
+    transfer manager, this test) never opens one allocation twice (CUDA maps an allocation once per process).
+    The weights are never mapped here while the KV is."""
+    from fastcache.launch.harness import WorkerProcesses
+    from fastcache.launch.liquid import BlockModel
+    from fastcache.weight_spec import WeightSpec
+    from test_reshard_weights_live import WeightModel
+    model = WeightSpec(2, {"qkv": ((2048, 1024), "float16", 0), "o": ((1024, 2048), "float16", 1),
+                           "norm": ((1024,), "float32")})
+    spec = CacheSpec(num_layers=2, num_gpu_blocks=512, num_cpu_blocks=32, block_size=16, num_kv_heads=8, head_dim=128)
+    rng = np.random.default_rng(sum(path))
+    device_ids = device_ids or (lambda tp: list(range(tp)))
+    with SwapBackend(spec, tp_size=path[0], device=device, device_ids=device_ids(path[0]),
+                     weights=model.resharded(path[0])) as backend:
+        workers = WorkerProcesses(backend, framework)
+        try:
+            workers.start(list(range(path[0])))
+            backend.wait_ready(timeout=120)
+            kv, weights = BlockModel(backend, rng), WeightModel(backend, rng)
+            weights.load()
+            assert not weights.check()
+            kv.attach()
+            kv.fill(range(spec.num_gpu_blocks // 2))
+            kv.detach()
+            allocations = []
+            for tp in path[1:]:
+                new, block_map = backend.reshard(tp, live_blocks=sorted(kv.gpu), start_workers=workers.start,
+                                                 stop_workers=workers.stop, device_ids=device_ids(tp), timeout=300)
+                r = backend.last_reshard
+                kv.remap(block_map, r["cpu_block_map"])
+                assert backend.tp_size == tp and backend.weight_layout == model.resharded(tp)
+                assert not weights.check(), (r["from_tp"], tp)
+                kv.attach()
+                assert not kv.check(), (r["from_tp"], tp)
+                kv.fill(rng.choice(new.num_gpu_blocks, 4, replace=False))     # the deployment serves on
+                assert not kv.check()
+                kv.detach()
+                assert r["weights_bytes"] > 0 and r["kv_bytes"] > 0
+                allocations += r["weight_allocations"]
+            weights.corrupt(0, 1, 5)                    # the negative control: one byte is seen
+            assert weights.check() == [(0, "o")]
+            return allocations
+        finally:
+            workers.close()
+
+
+@needs_framework
+@pytest.mark.parametrize("path", [[1, 2, 1], [1, 4, 2, 1]])
+def test_ranks_sharing_one_gpu_reshard_the_weights_with_the_kv_bit_for_bit(path):
+    """docs/design.md §9, weights in the live step on cuda. 1-4-2-1: rank 1, born at tp 4 with a quarter of each
+    split tensor, needs half at tp 2: its worker allocates new ones, the moves fill them, the commit switches
+    to them and frees the old (1-2-1 fits in place everywhere)."""
+    allocations = reshard_weights_with_the_kv("cuda", FRAMEWORK, path, lambda tp: [0] * tp)
+    assert sorted((a["rank"], a["tensor"]) for a in allocations) == \
+        ([(1, "o"), (1, "qkv")] if path == [1, 4, 2, 1] else [])
+
+
 @needs_framework
 def test_the_reshard_copy_rate_against_a_device_to_device_memcpy():
     """A big cache, every block live: GB/s of the moves (the transfer managers' wall time, messaging included)

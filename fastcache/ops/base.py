@@ -19,7 +19,8 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..config import CacheSpec, TensorInfo
-from ..ipc.manifest import read_manifest
+from ..ipc.manifest import read_json_segment, read_manifest
+from ..ipc.naming import weights_name
 from ..ipc.shm import SharedSegment
 
 
@@ -151,9 +152,9 @@ class DeviceOps(ABC):
         self.reshape(cache, spec, rank, device_id, framework)
 
     def weight_allocation(self, nbytes: int, suffix: str, rank: int, index: int, seq: int, framework: str,
-                          device_id: int):
-        """A new allocation for weight tensor `index` of a kept rank whose new slice outgrows its own, exported
-        by its `descriptor` for the reshard's moves; close() frees it (if the step is aborted)."""
+                          device_id: int, dtype: str):
+        """A new allocation for weight tensor `index` (elements of `dtype`) of a kept rank whose new slice outgrows
+        its own, exported by its `descriptor` for the reshard's moves; close() frees it (if the step is aborted)."""
         raise ValueError(f"device {self.name!r} cannot move weights into a new allocation")
 
     @abstractmethod
@@ -192,3 +193,23 @@ def manifest_entry(manifests: dict, suffix: str, plan, rank: int, index: int) ->
     if len(manifest) != len(plan.spaces) - 1:
         raise ValueError(f"rank {rank} exports {len(manifest)} tensors, the plan has {len(plan.spaces) - 1}")
     return manifest[index]
+
+
+def weight_entry(manifests: dict, suffix: str, plan, rank: int, index: int) -> dict:
+    """Entry `index` of `rank`'s weights export manifest (read once per rank into `manifests`), for a reshard
+    program; a manifest that does not list the plan's weight tensors is refused."""
+    manifest = manifests.get(rank)
+    if manifest is None:
+        manifest = manifests[rank] = read_json_segment(weights_name(suffix, rank, "exports"), suffix)
+    if len(manifest) != len(plan.weight_spaces):
+        raise ValueError(f"rank {rank} exports {len(manifest)} weight tensors, the plan has {len(plan.weight_spaces)}")
+    return manifest[index]
+
+
+def new_weight_export(suffix: str, rank: int, index: int, device: str) -> dict:
+    """The descriptor of `rank`'s new allocation of weight tensor `index` (DeviceOps.weight_allocation), as its
+    worker exported it at PREPARE; ValueError if there is none for this device."""
+    desc = read_json_segment(weights_name(suffix, rank, "reshard_exports"), suffix).get(str(index))
+    if not isinstance(desc, dict) or desc.get("device") != device:
+        raise ValueError(f"rank {rank} exports no {device} allocation for weight tensor {index}")
+    return desc

@@ -99,6 +99,7 @@ class CudaLocalCache(LocalCache):
 
     def release(self):
         self.tensors, self.pointers = {}, []
+        self.bases = self.base_bytes = None      # a reshard's bases (cuda_reshard.reshape) hold the memory too
         gc.collect()
         free_cached(self.framework)
 
@@ -159,6 +160,14 @@ class CudaOps(DeviceOps):
     def reshape(self, cache, spec, rank, device_id, framework):
         from .cuda_reshard import reshape
         reshape(cache, spec, rank, device_id, framework)
+
+    def reshape_group(self, cache, spec, rank, device_id, framework, replaced):
+        from .cuda_reshard import reshape
+        reshape(cache, spec, rank, device_id, framework, replaced)
+
+    def weight_allocation(self, nbytes, suffix, rank, index, seq, framework, device_id, dtype):
+        from .cuda_reshard import CudaWeightAllocation
+        return CudaWeightAllocation(framework, nbytes, device_id, dtype, index)
 
     def reshard_memory(self, suffix, plan, device_id):
         from .cuda_reshard import CudaMemory

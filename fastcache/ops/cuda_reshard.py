@@ -3,7 +3,9 @@
 Worker side: the staging buffer is a framework allocation beside the cache (at most 256 MiB), exported by
 IPC handle, so that it outlives a transfer manager that dies mid-chunk; the cache's tensors are re-viewed
 in the new shape over the same allocations (`reshape`: the exported handles and offsets do not change,
-only the byte counts in the manifest).
+only the byte counts in the manifest). Weights are re-viewed alike, except a tensor whose new slice outgrows
+its allocation: the worker allocates and exports a new one at PREPARE (`CudaWeightAllocation`), the moves
+fill it, and at COMMIT it becomes the tensor's base and the old allocation is freed.
 
 Transfer-manager side: `CudaMemory` opens every source rank's allocations by IPC handle (with lazy peer
 access: ranks on other GPUs are read over NVLink/PCIe peer copies; ranks sharing a GPU copy within it) and
@@ -25,6 +27,7 @@ re-pins it in the new geometry on commit).
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -35,7 +38,7 @@ from ..errors import TransferError
 from ..ipc.manifest import read_json_segment
 from ..ipc.naming import reshard_exports_name
 from ..reshard_plan import Copy, Plan
-from .base import manifest_entry
+from .base import manifest_entry, new_weight_export, weight_entry
 from .cuda_ipc import OpenAllocations, check_region, export_pointer
 from .cuda_kernels import DeviceBuffer, GatherKernel, cuda_check, set_device
 from .frameworks import device_pointer, empty_device, free_cached, view_as
@@ -46,41 +49,63 @@ from .host_memory import HostMemory, numpy_copy
 class CudaStaging:
     """A worker's staging buffer: nbytes of the framework's device memory, exported by IPC handle."""
 
-    def __init__(self, framework: str, nbytes: int, device_id: int):
+    def __init__(self, framework: str, nbytes: int, device_id: int, dtype: str = "uint8",
+                 what: str = "reshard staging"):
         self.framework, self.nbytes = framework, nbytes
         set_device(device_id)
-        self.tensor = empty_device(framework, (nbytes,), "uint8", device_id)
+        self.tensor = empty_device(framework, (nbytes // ELEMENT_BYTES[dtype],), dtype, device_id)
         ptr = device_pointer(self.tensor)
-        self.descriptor = {"device": "cuda", "device_id": device_id, "nbytes": nbytes,
-                           **export_pointer(ptr, "reshard staging")}
+        self.descriptor = {"device": "cuda", "device_id": device_id, "nbytes": nbytes, **export_pointer(ptr, what)}
 
     def close(self):
         self.tensor = None
         free_cached(self.framework)
 
 
-def reshape(cache, spec, rank: int, device_id: int, framework: str):
+class CudaWeightAllocation(CudaStaging):
+    """A kept rank's new allocation of one weight tensor that outgrew its own (docs/design.md §9): the transfer
+    managers fill it during the moves, and at COMMIT `reshape` makes it the tensor's base (the cache owns it
+    from then on). It holds the tensor's dtype, so that the new shape is a view of it; close() frees it (an
+    aborted step)."""
+
+    def __init__(self, framework: str, nbytes: int, device_id: int, dtype: str, index: int):
+        super().__init__(framework, nbytes, device_id, dtype, f"new allocation of weight tensor {index}")
+
+
+def reshape(cache, spec, rank: int, device_id: int, framework: str, replaced=None):
     """Re-view a CudaLocalCache's tensors in spec's shape over the same allocations (no new memory). The
-    tensors allocated first are kept as bases: every later shape is a view of them."""
+    tensors allocated first are kept as bases: every later shape is a view of them. A weight tensor in
+    `replaced` ({index: CudaWeightAllocation}, docs/design.md §9) takes that allocation as its base and its
+    export; its old base is dropped and the framework's cached memory freed (whatever else still holds the old
+    views keeps their memory). Nothing changes unless every tensor fits."""
     infos = spec.tensors(rank, device_id)
     if len(infos) != len(cache.manifest):
         raise ValueError(f"the new spec has {len(infos)} tensors, the cache {len(cache.manifest)}")
-    bases = getattr(cache, "bases", None)
-    if bases is None:
-        bases = cache.bases = [cache.tensors[info.name] for info in cache.infos]
+    if getattr(cache, "bases", None) is None:
+        cache.bases = [cache.tensors[info.name] for info in cache.infos]
         cache.base_bytes = [info.nbytes for info in cache.infos]
+    replaced = replaced or {}
+    bases, base_bytes, pointers = list(cache.bases), list(cache.base_bytes), list(cache.pointers)
+    exports = list(cache.manifest)
+    for i, alloc in replaced.items():
+        bases[i], base_bytes[i], pointers[i] = alloc.tensor, alloc.nbytes, device_pointer(alloc.tensor)
+        exports[i] = {**exports[i], **{k: alloc.descriptor[k] for k in ("handle", "offset", "alloc_bytes")}}
     tensors, manifest = {}, []
-    for i, (info, entry) in enumerate(zip(infos, cache.manifest)):
-        if info.nbytes > cache.base_bytes[i]:
-            raise ValueError(f"{info.name}: {info.nbytes} bytes do not fit in its {cache.base_bytes[i]}-byte "
+    for i, (info, entry) in enumerate(zip(infos, exports)):
+        if info.nbytes > base_bytes[i]:
+            raise ValueError(f"{info.name}: {info.nbytes} bytes do not fit in its {base_bytes[i]}-byte "
                              f"allocation")
         elements = info.nbytes // ELEMENT_BYTES[info.dtype]
         view = view_as(bases[i], elements, info.shape)
-        if device_pointer(view) != cache.pointers[i]:
+        if device_pointer(view) != pointers[i]:
             raise TransferError(f"{framework} made a copy of {info.name} instead of a view; cannot reshard it in place")
         tensors[info.name] = view
         manifest.append({**entry, "name": info.name, "nbytes": info.nbytes})
     cache.tensors, cache.manifest, cache.infos = tensors, manifest, infos
+    cache.bases, cache.base_bytes, cache.pointers = bases, base_bytes, pointers
+    if replaced:
+        gc.collect()
+        free_cached(framework)          # the old bases' memory back to the driver
 
 
 # -- transfer-manager side -------------------------------------------------------------------------
@@ -265,7 +290,7 @@ class CudaMemory(HostMemory):
         super().__init__(suffix, plan)
         self.device_id = device_id
         self._allocations = OpenAllocations(device_id)
-        self._manifests = {}
+        self._manifests, self._weight_manifests = {}, {}
         self.gather = None          # GatherCopies, made at the first device copy
         set_device(device_id)
         self.stream = cuda_check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking),
@@ -287,6 +312,16 @@ class CudaMemory(HostMemory):
                 raise ValueError(f"rank {ref[1]} exports a {desc.get('device')} staging buffer to a cuda transfer "
                                  f"manager")
             return self._open(desc, self.plan.staging_bytes_for(ref[1], "gpu"), f"staging of rank {ref[1]}")
+        if ref[0] == "weights":     # the rank's current weight tensor: old rows as a source, new as a destination
+            rank, index = ref[1], ref[2]
+            entry = weight_entry(self._weight_manifests, self.suffix, self.plan, rank, index)
+            return self._open(entry, self.plan.region_bytes(self.plan.weight_spaces[index], rank),
+                              entry.get("name", "?"))
+        if ref[0] == "weights_new":     # a kept rank's new allocation of a tensor that outgrew its own
+            rank, index = ref[1], ref[2]
+            return self._open(new_weight_export(self.suffix, rank, index, "cuda"),
+                              self.plan.weight_spaces[index].new_bytes(),
+                              f"new allocation of weight tensor {index} of rank {rank}")
         return super()._resolve(ref)
 
     def execute(self, c):

@@ -293,7 +293,7 @@ class SimOps(DeviceOps):
         from .sim_reshard import reshape
         reshape(cache, spec, rank, device_id, framework, replaced)
 
-    def weight_allocation(self, nbytes, suffix, rank, index, seq, framework, device_id):
+    def weight_allocation(self, nbytes, suffix, rank, index, seq, framework, device_id, dtype):
         from .sim_reshard import SimWeightAllocation
         return SimWeightAllocation(suffix, rank, index, seq, nbytes)
 

@@ -14,7 +14,7 @@ from ..ipc.manifest import read_json_segment
 from ..ipc.naming import reshard_exports_name, reshard_staging_name, weights_name
 from ..ipc.shm import SharedSegment
 from ..reshard_plan import Plan
-from .base import manifest_entry
+from .base import manifest_entry, new_weight_export, weight_entry
 from .frameworks import NUMPY_STORAGE, wrap_host_array
 from .host_memory import HostMemory, numpy_copy
 
@@ -98,16 +98,12 @@ class SimMemory(HostMemory):
             return self._view(self._segment(desc["segment"]), 0, need, f"staging of rank {ref[1]}")
         if ref[0] == "weights":     # the rank's current weight tensor: old rows as a source, new as a destination
             rank, index = ref[1], ref[2]
-            manifest = self._weight_manifests.get(rank)
-            if manifest is None:
-                manifest = self._weight_manifests[rank] = read_json_segment(
-                    weights_name(self.suffix, rank, "exports"), self.suffix)
-            entry = manifest[index]
+            entry = weight_entry(self._weight_manifests, self.suffix, self.plan, rank, index)
             return self._view(self._segment(entry["segment"]), entry["offset"],
                               self.plan.region_bytes(self.plan.weight_spaces[index], rank), entry["name"])
         if ref[0] == "weights_new":
             rank, index = ref[1], ref[2]
-            desc = read_json_segment(weights_name(self.suffix, rank, "reshard_exports"), self.suffix)[str(index)]
+            desc = new_weight_export(self.suffix, rank, index, "sim")
             return self._view(self._segment(desc["segment"]), 0, self.plan.weight_spaces[index].new_bytes(),
                               f"new allocation of weight tensor {index} of rank {rank}")
         return super()._resolve(ref)

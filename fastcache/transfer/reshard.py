@@ -116,11 +116,15 @@ class ReshardRunner:
         m.restore_phase, m.phase, m.attach_error = name, "restoring", None
 
     def _detach_all(self):
-        """Drop every mapping of the cache and the CPU tier (on CUDA: IPC handles closed, tier unpinned)."""
+        """Drop every mapping of the cache, the CPU tier and the weights (on CUDA: IPC handles closed, tier unpinned:
+        a move opens the weights itself, CUDA maps an allocation once per process, and a worker frees a weight
+        tensor's old allocation at commit)."""
         m = self.m
         saved, m.release_swap = m.release_swap, True
         try:
             m.detach()
+            if m.weights is not None:
+                m.weights.detach()
         finally:
             m.release_swap = saved
 

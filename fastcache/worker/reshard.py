@@ -15,8 +15,9 @@ engine bumps the attempt after resetting the barrier):
 Weights (registered, every layer resident) follow the cache: PREPARE allocates the new allocations the plan
 gives this rank (weight tensors whose new slice outgrows their own), exports them by name and marks the
 weights' export stale (weights_ready[r, 0] = 0); COMMIT re-views the others in the new slice shapes in place,
-switches those to their new allocations (the old bytes are left unused), re-exports the manifest and sets
-weights_ready[r, 0] = 1; ABORT frees the new allocations and sets it back.
+switches those to their new allocations (sim leaves the old bytes unused in the arena, cuda frees the old
+allocation), re-exports the manifest and sets weights_ready[r, 0] = 1; ABORT frees the new allocations and
+sets it back.
 """
 from __future__ import annotations
 
@@ -95,8 +96,10 @@ class ReshardFollower:
         mine = {int(i): int(n) for r, i, n in plan.get("weight_allocations", []) if int(r) == w.rank}
         if set(mine) != set(self.new_weights) or any(self.new_weights[i].nbytes != n for i, n in mine.items()):
             self.release_weights()
+            dtypes = [dtype for _, _, dtype in WeightSpec.from_json(plan["new_weights"]).layer_tensors]
             for i, n in mine.items():
-                self.new_weights[i] = w.ops.weight_allocation(n, w.suffix, w.rank, i, seq, w.framework, w.device_id)
+                self.new_weights[i] = w.ops.weight_allocation(n, w.suffix, w.rank, i, seq, w.framework, w.device_id,
+                                                              dtypes[i])
             self.new_weight_exports = write_json_segment(
                 weights_name(w.suffix, w.rank, "reshard_exports"),
                 {str(i): a.descriptor for i, a in self.new_weights.items()}, w.suffix)

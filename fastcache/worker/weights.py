@@ -49,15 +49,23 @@ class WorkerWeights:
         """A reshard's commit (docs/design.md §9): the tensors re-viewed in `layout`'s slice shapes in place, or
         taken over from their new allocations (`replaced`: {tensor index: allocation}), and exported again."""
         w = self.worker
-        w.ops.reshape_group(self._local, layout, w.rank, w.device_id, w.framework, replaced)
-        self.layout = layout
+        self._by_name = {}      # the old views go first, so that a tensor's old allocation can be freed (cuda)
+        try:
+            w.ops.reshape_group(self._local, layout, w.rank, w.device_id, w.framework, replaced)
+            self.layout = layout
+        finally:
+            self._name_tensors()
         self._publish()
 
-    def _publish(self):
+    def _name_tensors(self):
         w = self.worker
         infos = self.layout.tensors(w.rank, w.device_id)
         self._by_name = {name: self._local.tensors[info.name]
                          for (name, _, _), info in zip(self.layout.layer_tensors, infos)}
+
+    def _publish(self):
+        w = self.worker
+        self._name_tensors()
         if self._manifest is not None:
             self._manifest.close()
         self._manifest = write_json_segment(weights_name(w.suffix, w.rank, "exports"), self._local.manifest, w.suffix)
