@@ -466,6 +466,7 @@ class ReshardPhase:
             for r in range(plan.old_tp):
                 self._attached[r] = False
             if not self._failed:
+                self._wait_prepare_reports(plan.old_tp, max(deadline, time.monotonic() + 10))
                 self.barrier.reset()
                 self._run_phase("reshard_abort", protocol.encode_reshard("abort", self._body(step)),
                                 max(deadline, time.monotonic() + 10))
@@ -481,6 +482,18 @@ class ReshardPhase:
             if self._pending_reshard is None:
                 self._drop_step_memory(step)
         return problems
+
+    def _wait_prepare_reports(self, ranks, deadline):
+        """After a broken PREPARE barrier (a worker that reported a failure breaks it at once), until every old
+        rank's transfer manager has left it (its phase_failed) or failed. A transfer manager still draining its
+        tasks arrives at the barrier later: reset before then, it would arrive in the abort's generation as if
+        PREPARE had passed, and never take part in the abort ("no report from ranks ...")."""
+        with self._phase_cond:
+            acks = self._phase_acks.get("reshard_prepare")
+            if acks is not None:
+                self._phase_cond.wait_for(lambda: all(r in acks or r in self._failed for r in range(ranks)),
+                                          max(0.0, deadline - time.monotonic()))
+                self._phase_acks.pop("reshard_prepare", None)
 
     def _retire(self, ranks, stop_workers, deadline):
         """Stop these ranks' transfer managers (and, through the callback, their workers); drop their CPU

@@ -116,8 +116,11 @@ class ReshardFollower:
         if w.weights is not None and "new_weights" in plan:
             layout = WeightSpec.from_json(plan["new_weights"])
             if w.weights.layout != layout:      # a kept rank (a new one registered the new layout)
-                replaced, self.new_weights = self.new_weights, {}
-                w.weights.reshard(layout, replaced)
+                # the new allocations stay the follower's until the weights have taken them over: a commit that
+                # fails here leaves the step pending, and the same reshard again needs them (they hold the moved
+                # bytes); dropped first, the retry re-viewed the tensors in place (too small) and they leaked
+                w.weights.reshard(layout, self.new_weights)
+                self.new_weights = {}
         w.spec, w.tp_size = spec, tp
         w.signals.resize(tp)
         self.release()
