@@ -2,6 +2,7 @@
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -125,3 +126,45 @@ def _barrier_party2(suffix, out):
     barrier.register(1)
     out.put(barrier.wait(1, 20))
     barrier.close()
+
+
+
+def _meet(barrier, parties):
+    """Each party waits once, on threads; the generations they got."""
+    done = {}
+    threads = [threading.Thread(target=lambda p=p: done.__setitem__(p, barrier.wait(p, 10))) for p in parties]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    return done
+
+
+@pytest.mark.parametrize("settled", [True, False], ids=["settled", "reset-at-once"])
+def test_settle_holds_a_reset_until_a_slow_party_has_seen_the_broken_generation(settled):
+    """Worker 0 aborts generation 1 before worker 1 reached it. With settle, worker 1 arrives, learns that
+    generation 1 broke, and only then the reset lets everyone meet in generation 2. Reset at once (the negative
+    control), worker 1's late wait for generation 1 is counted in generation 2 and returns as if it had
+    passed."""
+    suffix = new_suffix()
+    barrier = RankBarrier(suffix, 3, create=True, party_names=["engine", "worker 0", "worker 1"])
+    try:
+        for p in range(3):
+            barrier.register(p)
+        barrier.abort(1)
+        with pytest.raises(BrokenBarrierError, match="worker 0 reported a failure"):
+            barrier.wait(0, 5)
+        if settled:
+            assert barrier.settle(0.05) == [2]          # the slow worker, not the one that aborted
+            with pytest.raises(BrokenBarrierError, match="worker 0 reported a failure"):
+                barrier.wait(2, 5)                      # it arrives late and learns of the failure
+            assert barrier.settle(5) == []
+            barrier.reset()
+            assert _meet(barrier, [0, 1, 2]) == {0: 2, 1: 2, 2: 2}
+        else:
+            barrier.reset()
+            # worker 1 still means generation 1; it meets the others' generation 2 and passes
+            assert _meet(barrier, [0, 1, 2]) == {0: 2, 1: 2, 2: 2}
+            assert barrier.settle(0.05) == []           # nothing tells them apart any more
+    finally:
+        barrier.close()

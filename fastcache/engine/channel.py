@@ -233,7 +233,7 @@ class TaskChannel:
                 acks = self._phase_acks.get(header["phase"])
                 if acks is not None:
                     acks[rank] = header.get("error")
-                    self._copy_seconds[rank] = (header["copy_seconds"], header["weights_seconds"])
+                    self._copy_seconds[rank] = (header.get("copy_seconds", 0.0), header.get("weights_seconds", 0.0))
                     self._phase_cond.notify_all()
         elif kind == "lost":
             self._lost_messages(rank, header["first"], header["last"])

@@ -462,17 +462,24 @@ class ReshardPhase:
             self.signals.resize(plan.old_tp)
             self.barrier.set_active([ENGINE_PARTY] + [transfer_party(r) for r in range(plan.old_tp)]
                                     + [worker_party(self.barrier.capacity, r) for r in range(plan.old_tp)])
-            self._set_stage(step, ABORT)
             for r in range(plan.old_tp):
                 self._attached[r] = False
             if not self._failed:
                 self._wait_prepare_reports(plan.old_tp, max(deadline, time.monotonic() + 10))
+                # every old party learns of a broken PREPARE before the abort is published and its generation
+                # begins: a worker that saw ABORT first would spend its one try at it in the broken generation
+                short = self.barrier.settle(max(deadline - time.monotonic(), 10.0))
+                if short:
+                    log.warning("reshard rollback: %s never reached the broken barrier",
+                                ", ".join(self.barrier.party_names[p] for p in short))
                 self.barrier.reset()
+                self._set_stage(step, ABORT)
                 self._run_phase("reshard_abort", protocol.encode_reshard("abort", self._body(step)),
                                 max(deadline, time.monotonic() + 10))
                 self._wait_signals(self._all_ready, max(deadline, time.monotonic() + 10), "reshard rollback")
                 self.signals.status = NORMAL
             else:       # a dead rank: restart_rank it, then restore_caches-like retry: reshard again
+                self._set_stage(step, ABORT)
                 self._pending_reshard = step
         except Exception as exc:
             log.error("rollback of the reshard to tp %d did not complete: %s", plan.new_tp, exc)

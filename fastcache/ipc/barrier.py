@@ -114,6 +114,22 @@ class RankBarrier:
                 raise self._error(gen, timeout)
             time.sleep(self.POLL)
 
+    def settle(self, timeout: float) -> list[int]:
+        """After a generation broke: wait until every active party has reached it (and so learned that it
+        broke), has died, or is the party that aborted it; returns the parties still short of it when the
+        timeout passes. Reset before then, a party that was merely slow would arrive in the next generation as
+        if the broken one had passed, and the next phase would wait for it in vain."""
+        gen, culprits, cause = int(self._broken[0]), int(self._broken[1]), int(self._broken[2])
+        aborted = culprits if cause == ABORTED else 0     # an aborting party never arrives at that generation
+        deadline = time.monotonic() + timeout
+        while True:
+            active = int(self._active[0])
+            short = [p for p in range(self.parties) if active >> p & 1 and not aborted >> p & 1
+                     and int(self._arrived[p]) < gen and self._alive(p)]
+            if not short or time.monotonic() > deadline:
+                return short
+            time.sleep(self.POLL)
+
     def abort(self, party: int):
         """Break the generation `party` would arrive at next, naming it: a party that cannot take part
         (its attach failed) says so at once instead of leaving the others to wait for the timeout."""
