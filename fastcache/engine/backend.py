@@ -346,6 +346,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         try:
             self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
+            self._settle_phase(phase, deadline)
             failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._failed.items()))
             raise TransferError(f"{phase} failed: {self._end_phase_command() or exc}{failed}") from None
         self._end_phase_command()
@@ -359,6 +360,24 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or \
                 f"no report from ranks {sorted(set(range(self.tp_size)) - set(acks))}"
             raise TransferError(f"{phase} failed: {detail}")
+
+    def _settle_phase(self, phase, deadline):
+        """After a phase's barrier broke, until every live transfer manager has reported the phase (it failed at
+        the same generation) and every party has reached that generation: a report or an arrival of this attempt
+        that came later would be taken for the next attempt's (a retry's phase failing on the old generation, or
+        a slow party passing the new one unprepared). Up to the phase's deadline, at least 1 s and at most 10 s
+        (a party that hangs is not waited for: the next attempt names it)."""
+        now = time.monotonic()
+        until = min(now + 10.0, max(deadline, now + 1.0))
+
+        def settled():
+            acks = self._phase_acks.get(phase, {})
+            return all(r in acks or r in self._failed or proc is None or proc.poll() is not None
+                       for r, proc in enumerate(self._procs[:self.tp_size]))
+        with self._phase_cond:
+            self._phase_cond.wait_for(settled, max(0.0, until - time.monotonic()))
+            self._phase_acks.pop(phase, None)
+        self.barrier.settle(max(0.0, until - time.monotonic()))
 
     def _wait_signals(self, condition, deadline, what, detail=None):
         """Until condition() holds; TransferError naming what is missing (detail(), or every rank's readiness)
