@@ -369,10 +369,11 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         (a party that hangs is not waited for: the next attempt names it)."""
         now = time.monotonic()
         until = min(now + 10.0, max(deadline, now + 1.0))
+        lost = set(self._phase_command.lost) if self._phase_command is not None else set()   # will not report
 
         def settled():
             acks = self._phase_acks.get(phase, {})
-            return all(r in acks or r in self._failed or proc is None or proc.poll() is not None
+            return all(r in acks or r in lost or r in self._failed or proc is None or proc.poll() is not None
                        for r, proc in enumerate(self._procs[:self.tp_size]))
         with self._phase_cond:
             self._phase_cond.wait_for(settled, max(0.0, until - time.monotonic()))
