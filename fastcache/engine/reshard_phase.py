@@ -465,13 +465,9 @@ class ReshardPhase:
             for r in range(plan.old_tp):
                 self._attached[r] = False
             if not self._failed:
-                self._wait_prepare_reports(plan.old_tp, max(deadline, time.monotonic() + 10))
-                # every old party learns of a broken PREPARE before the abort is published and its generation
-                # begins: a worker that saw ABORT first would spend its one try at it in the broken generation
-                short = self.barrier.settle(max(deadline - time.monotonic(), 10.0))
-                if short:
-                    log.warning("reshard rollback: %s never reached the broken barrier",
-                                ", ".join(self.barrier.party_names[p] for p in short))
+                # a broken PREPARE was settled by its phase (every party reached it, every report came); the
+                # abort is published only after the reset: a worker that saw ABORT first would spend its one
+                # try at it in the broken generation
                 self.barrier.reset()
                 self._set_stage(step, ABORT)
                 self._run_phase("reshard_abort", protocol.encode_reshard("abort", self._body(step)),
@@ -489,18 +485,6 @@ class ReshardPhase:
             if self._pending_reshard is None:
                 self._drop_step_memory(step)
         return problems
-
-    def _wait_prepare_reports(self, ranks, deadline):
-        """After a broken PREPARE barrier (a worker that reported a failure breaks it at once), until every old
-        rank's transfer manager has left it (its phase_failed) or failed. A transfer manager still draining its
-        tasks arrives at the barrier later: reset before then, it would arrive in the abort's generation as if
-        PREPARE had passed, and never take part in the abort ("no report from ranks ...")."""
-        with self._phase_cond:
-            acks = self._phase_acks.get("reshard_prepare")
-            if acks is not None:
-                self._phase_cond.wait_for(lambda: all(r in acks or r in self._failed for r in range(ranks)),
-                                          max(0.0, deadline - time.monotonic()))
-                self._phase_acks.pop("reshard_prepare", None)
 
     def _retire(self, ranks, stop_workers, deadline):
         """Stop these ranks' transfer managers (and, through the callback, their workers); drop their CPU

@@ -80,22 +80,23 @@ def prefix_blind_probes(run: dict) -> list[tuple[int, int]]:
 
 @contextlib.contextmanager
 def way_service(way: str, args):
-    """The way's extra config for the connector (None: no connector), and where lmcache is imported from."""
+    """What the way adds to an engine's job (its connector's config), around the service it runs for the
+    whole scenario."""
     cpu_bytes = args.cpu_blocks * kv_block_bytes()
     if way == "vllm":
-        yield None, None
+        yield {}
     elif way == "fastcache":
-        yield {**fastcache_extra(cpu_bytes)}, None
+        yield {"extra": fastcache_extra(cpu_bytes)}
     elif way.startswith("fastcache+l3"):
         with store_for_run("mooncake", max(64, 4 * cpu_bytes >> 20)) as url:
             extra = {**fastcache_extra(cpu_bytes), "store": url}
             if way == NEGATIVE_CONTROL:
                 extra["namespace"] = "tiny-llama/fixed"
-            yield extra, None
+            yield {"extra": extra}
     elif way == "lmcache":
         with lmcache_import_dir(args.lmcache_python) as site, \
                 lmcache_server(args.lmcache_python, l1_bytes=cpu_bytes, chunk_tokens=BLOCK_TOKENS) as server:
-            yield {"connector": "lmcache", "extra": server.connector_config(), "sys_path_after": [site]}, site
+            yield {"connector": "lmcache", "extra": server.connector_config(), "sys_path_after": [site]}
     else:
         raise ValueError(way)
 
@@ -112,11 +113,8 @@ def run_scenario(way: str, args, checkpoint: str, timeout: float) -> dict:
            "logprobs": True, "manager_replay": False, "extra": None, "way": way}
     steps = {}
     write_checkpoint(checkpoint, OLD)
-    with way_service(way, args) as (extra, _):
-        if extra is not None and extra.get("connector") == "lmcache":
-            job.update(extra)
-        elif extra is not None:
-            job["extra"] = extra
+    with way_service(way, args) as connector:
+        job.update(connector)
         for step in STEPS:
             if step == "B":
                 write_checkpoint(checkpoint, NEW, keep_mtime=True)

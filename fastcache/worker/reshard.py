@@ -26,8 +26,8 @@ import logging
 from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment, write_json_segment
 from ..ipc.naming import reshard_exports_name, reshard_plan_name, weights_name
-from ..weight_spec import WeightSpec
 from ..ipc.protocol import ABORT, COMMIT, PREPARE, STAGE_NAMES
+from ..weight_spec import WeightSpec
 
 log = logging.getLogger("fastcache.worker")
 

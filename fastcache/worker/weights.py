@@ -52,9 +52,10 @@ class WorkerWeights:
         self._by_name = {}      # the old views go first, so that a tensor's old allocation can be freed (cuda)
         try:
             w.ops.reshape_group(self._local, layout, w.rank, w.device_id, w.framework, replaced)
-            self.layout = layout
-        finally:
-            self._name_tensors()
+        except BaseException:
+            self._name_tensors()        # the old layout serves on
+            raise
+        self.layout = layout
         self._publish()
 
     def _name_tensors(self):
