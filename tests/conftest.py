@@ -6,6 +6,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -68,6 +69,24 @@ def _running(proc):
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+@pytest.fixture(autouse=True, scope="session")
+def vllm_rpc_dir():
+    """vLLM binds its engine's ZeroMQ sockets under VLLM_RPC_BASE_PATH (the temp dir by default) and leaves
+    them there when an engine process ends: every vLLM engine of the run, in this process or a child, binds
+    them in one directory that goes at the end."""
+    path = tempfile.mkdtemp(prefix="fastcache-tests-vllm-rpc-")
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = before
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -97,6 +97,11 @@ def reshard_weights_with_the_kv(device, framework, path, device_ids=None):
                 assert not kv.check()
                 kv.detach()
                 assert r["weights_bytes"] > 0 and r["kv_bytes"] > 0
+                if device == "cuda":        # each worker's own view at COMMIT: the driver's and its allocator's
+                    for m in r["device_memory"]:
+                        assert 0 < m["free_bytes"] < m["total_bytes"], m
+                        assert m["reserved_bytes"] >= m["allocated_bytes"] >= new.gpu_cache_bytes, m
+                        assert m["fragmented_bytes"] == m["reserved_bytes"] - m["allocated_bytes"], m
                 allocations += r["weight_allocations"]
             weights.corrupt(0, 1, 5)                    # the negative control: one byte is seen
             assert weights.check() == [(0, "o")]

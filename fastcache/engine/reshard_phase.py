@@ -35,7 +35,7 @@ from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
 from ..ipc.manifest import read_json_segment, read_manifest, write_json_segment
-from ..ipc.naming import reshard_plan_name, reshard_staging_name, swap_space_name, weights_name
+from ..ipc.naming import device_memory_name, reshard_plan_name, reshard_staging_name, swap_space_name, weights_name
 from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
 from ..ipc.shm import SHM_DIR, SegmentError, SharedSegment, check_shm_room
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
@@ -621,30 +621,38 @@ class ReshardPhase:
         return out
 
     def _device_memory(self, rank: int) -> dict:
-        """Rank's device memory after the step. sim: from its shared-memory segments. allocated: bytes of the
-        segments its cache and weights lie in; reserved: its allocations (the cache's arena, each weight
-        tensor's allocation); in_use: the tensors of the current geometry; free = reserved - in_use (room a
-        later step may grow into, e.g. a weight allocation larger than its slice after a scale-out);
-        fragmented = allocated - reserved (bytes no allocation covers: a weight tensor's old place after it
-        moved to a new allocation, alignment, segment headers). Other devices: the block count only."""
+        """Rank's device memory after the step: its GPU blocks, and what its worker reported at COMMIT (cuda: the
+        driver's free and total bytes, its framework allocator's allocated, reserved and fragmented bytes), or on
+        sim what its shared-memory segments show (_sim_device_memory)."""
         out = {"rank": rank, "gpu_blocks": self.spec.num_gpu_blocks}
-        if self.device != "sim":
-            return out
+        if self.device == "sim":
+            out.update(self._sim_device_memory(rank))
+        try:
+            out.update(read_json_segment(device_memory_name(self.suffix, rank), self.suffix))
+        except (SegmentError, ValueError):
+            pass        # the worker's device reports nothing of its own (sim), or could not say
+        return out
+
+    def _sim_device_memory(self, rank: int) -> dict:
+        """sim: allocated: bytes of the segments the rank's cache and weights lie in; reserved: its allocations
+        (the cache's arena, each weight tensor's allocation); in_use: the tensors of the current geometry; free =
+        reserved - in_use (room a later step may grow into, e.g. a weight allocation larger than its slice after
+        a scale-out); fragmented = allocated - reserved (bytes no allocation covers: a weight tensor's old place
+        after it moved to a new allocation, alignment, segment headers)."""
         try:
             cache = read_manifest(self.suffix, rank)
             weights = read_json_segment(weights_name(self.suffix, rank, "exports"), self.suffix) \
                 if self.weight_layout is not None else []
         except (SegmentError, ValueError):
-            return out
+            return {}
         sizes = {e["segment"]: os.stat(os.path.join(SHM_DIR, e["segment"].lstrip("/"))).st_size
                  for e in cache + weights if "segment" in e}
         kv_arenas = {e["segment"] for e in cache if "segment" in e}
         reserved = sum(sizes[s] for s in kv_arenas) + (sum(self._weight_capacities[rank]) if weights else 0)
         in_use = self.spec.gpu_cache_bytes + (self.weight_layout.gpu_cache_bytes if weights else 0)
         allocated = sum(sizes.values())
-        out.update(allocated_bytes=allocated, reserved_bytes=reserved, in_use_bytes=in_use,
-                   free_bytes=reserved - in_use, fragmented_bytes=allocated - reserved)
-        return out
+        return {"allocated_bytes": allocated, "reserved_bytes": reserved, "in_use_bytes": in_use,
+                "free_bytes": reserved - in_use, "fragmented_bytes": allocated - reserved}
 
 
 def slice_bytes(layout) -> list:

@@ -52,6 +52,11 @@ def reshard_exports_name(suffix: str, rank: int) -> str:
     return segment_name(suffix, f"reshard_exports_rank{rank}")
 
 
+def device_memory_name(suffix: str, rank: int) -> str:
+    """A worker's report of its device memory after a reshard's commit (JSON; docs/design.md §9)."""
+    return segment_name(suffix, f"device_memory_rank{rank}")
+
+
 def weights_name(suffix: str, rank: int, what: str) -> str:
     """A rank's weight group (docs/design.md §11): "cpu" (the engine's CPU region), "exports" (its worker's
     manifest) or "gen<N>" (the sim device's weight memory)."""

@@ -129,6 +129,13 @@ class DeviceOps(ABC):
         """Free device memory in bytes (cudaMemGetInfo); None where the device has no memory of its own."""
         return None
 
+    def device_memory(self, framework: str, device_id: int) -> dict:
+        """A worker's view of its device's memory, in its own process (docs/design.md §9): on cuda the driver's
+        `free_bytes` and `total_bytes` (cudaMemGetInfo) and the framework allocator's `allocated_bytes`,
+        `reserved_bytes` and `fragmented_bytes` (reserved, not in a live tensor); {} where the engine reads it
+        from shared memory instead (sim)."""
+        return {}
+
     def release_device(self, device_id: int):
         """For a process that owns its device context alone (a transfer manager) and is done with it: the
         context's resources go now, not whenever the process ends."""

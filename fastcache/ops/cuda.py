@@ -14,7 +14,7 @@ from .cuda_copiers import dma_runs, make_copier
 from .cuda_ipc import OpenAllocations, check_entry, export_tensors
 from .cuda_kernels import cuda_check, set_device
 from .cuda_swap_space import CudaSwapSpace
-from .frameworks import check_framework, device_pointer, empty_device, free_cached
+from .frameworks import allocator_memory, check_framework, device_pointer, empty_device, free_cached
 
 
 class DeviceTensors(AttachedCache):
@@ -143,6 +143,15 @@ class CudaOps(DeviceOps):
         set_device(device_id)
         free, _total = cuda_check(runtime.cudaMemGetInfo(), "cudaMemGetInfo")
         return int(free)
+
+    def device_memory(self, framework, device_id):
+        set_device(device_id)
+        free, total = cuda_check(runtime.cudaMemGetInfo(), "cudaMemGetInfo")
+        out = {"free_bytes": int(free), "total_bytes": int(total)}
+        held = allocator_memory(framework, device_id)
+        if held:
+            out.update(held, fragmented_bytes=held["reserved_bytes"] - held["allocated_bytes"])
+        return out
 
     def release_device(self, device_id):
         # the driver keeps a /dev/shm file per process that exported interprocess events (cuda.shm.*) until

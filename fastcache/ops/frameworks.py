@@ -84,6 +84,25 @@ def free_cached(framework: str):
         paddle.device.cuda.empty_cache()
 
 
+def allocator_memory(framework: str, device_id: int) -> dict:
+    """The framework's caching allocator on device_id, in this process: `allocated_bytes` (its live tensors) and
+    `reserved_bytes` (what it holds from the driver, cached blocks included); {} for one without an allocator."""
+    if framework == "torch":
+        import torch
+        return {"allocated_bytes": int(torch.cuda.memory_allocated(device_id)),
+                "reserved_bytes": int(torch.cuda.memory_reserved(device_id))}
+    if framework == "cupy":
+        import cupy
+        with cupy.cuda.Device(device_id):       # the default pool answers for the current device
+            pool = cupy.get_default_memory_pool()
+            return {"allocated_bytes": int(pool.used_bytes()), "reserved_bytes": int(pool.total_bytes())}
+    if framework == "paddle":
+        import paddle
+        return {"allocated_bytes": int(paddle.device.cuda.memory_allocated(device_id)),
+                "reserved_bytes": int(paddle.device.cuda.memory_reserved(device_id))}
+    return {}
+
+
 def view_as(base, numel: int, shape: tuple):
     """A view of base's first numel elements in shape, sharing its memory (torch, cupy, paddle)."""
     if hasattr(base, "view") and hasattr(base, "data_ptr") and not hasattr(base, "place"):   # torch

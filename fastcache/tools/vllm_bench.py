@@ -83,11 +83,14 @@ def trace_prompts(requests, block_tokens: int, vocab: int, seed: int = 0) -> lis
 
 def run_way(job: dict, timeout: float) -> dict:
     """One engine in a child process; its report."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fastcache-vllm-job-") as f:
+    # vLLM leaves its engine's ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temp dir by default): a directory of
+    # the run's own, removed with them
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="fastcache-vllm-job-") as f, \
+            tempfile.TemporaryDirectory(prefix="fastcache-vllm-rpc-") as rpc:
         json.dump(job, f)
         f.flush()
         proc = subprocess.run([sys.executable, "-m", "fastcache.tools.vllm_run", f.name], capture_output=True,
-                              text=True, timeout=timeout)
+                              text=True, timeout=timeout, env={**os.environ, "VLLM_RPC_BASE_PATH": rpc})
     for line in proc.stdout.splitlines():
         if line.startswith("REPORT "):
             return json.loads(line[len("REPORT "):])

@@ -231,6 +231,7 @@ class CacheWorker:
         if self in _LOCAL_WORKERS.get(self.suffix, ()):
             _LOCAL_WORKERS[self.suffix].remove(self)
         self._reshard.release()
+        self._reshard.close_report()
         if self.signals is not None:
             self._release()
             if self.weights is not None:

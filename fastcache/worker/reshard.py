@@ -25,7 +25,7 @@ import logging
 
 from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment, write_json_segment
-from ..ipc.naming import reshard_exports_name, reshard_plan_name, weights_name
+from ..ipc.naming import device_memory_name, reshard_exports_name, reshard_plan_name, weights_name
 from ..ipc.protocol import ABORT, COMMIT, PREPARE, STAGE_NAMES
 from ..weight_spec import WeightSpec
 
@@ -46,6 +46,7 @@ class ReshardFollower:
         self.exports = None
         self.new_weights = {}           # tensor index -> this rank's new allocation (PREPARE to COMMIT)
         self.new_weight_exports = None
+        self.memory_report = None       # this rank's device memory after the last commit (JSON segment)
 
     def poll(self):
         w = self.w
@@ -124,7 +125,26 @@ class ReshardFollower:
         w.spec, w.tp_size = spec, tp
         w.signals.resize(tp)
         self.release()
+        self._report_memory()
         w.signals.cache_ready[w.rank] = 1
+
+    def _report_memory(self):
+        """Publish the device's memory as this process sees it (its framework's allocator is its own), for the
+        engine's reshard report; a device that cannot say leaves no report, which costs the step nothing."""
+        w = self.w
+        self.close_report()
+        try:
+            report = w.ops.device_memory(w.framework, w.device_id)
+        except Exception as exc:
+            log.warning("rank %d: device memory not reported: %s", w.rank, exc)
+            return
+        if report:
+            self.memory_report = write_json_segment(device_memory_name(w.suffix, w.rank), report, w.suffix)
+
+    def close_report(self):
+        report, self.memory_report = self.memory_report, None
+        if report is not None:
+            report.close()
 
     def _abort(self):
         w = self.w
