@@ -371,7 +371,125 @@ class PrefixPolicy:
             part.clear()
 
 
-POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "prefix": PrefixPolicy}
+class ProbationPolicy:
+    """A key stored once waits on probation; a key named again is kept by recency. Probation goes first.
+
+    Two LRU segments and a ghost list:
+    - **probation**: keys stored new (by a call) that the ghost list does not name;
+    - **protected**: keys named again: stored again while held, loaded (touched), or stored new while the
+      ghost list still names them (evicted, then wanted back);
+    - **ghosts**: the keys evicted, the last `capacity` of them (keys only).
+    Victims are probation's least recent first, then protected's; within each a call's keys go from its tail
+    (its head ends most recent, as under lru), and skipped keys stay.
+
+    Why: the CPU tier sits under the engine's GPU prefix cache and is written through: every request
+    stores its whole chain (`stored`), and the GPU stores what it evicts again later. Under lru a block the
+    request just computed takes a CPU slot as fresh as anything, though the GPU holds the same block and
+    will hand it back when it lets it go; so much of an lru tier repeats the GPU (at 2,000 blocks, 1,000 on
+    each side, nearly all of it). Here such a block waits on probation and goes first; if it was evicted,
+    the GPU's later store of it finds it in the ghost list and it comes back protected, now holding a
+    block nobody else holds. The tier thus keeps what the GPU gave up (its own reuse), plus what was
+    loaded or stored twice, rather than a second copy of the GPU's newest blocks; and a block read once
+    and never again (a private document streaming past) never pushes out one that came back. With one
+    key class and no repeats it is lru. The ghost list as long as the cache (as ARC's) is a measured
+    choice: half as long loses the agent trace at 2,000 blocks, twice as long the documents trace.
+    Costs: lru's for a call of new keys (one bulk insert, one set intersection with the ghost list), a
+    few bulk dict operations per key otherwise (docs/benchmarks.md, "Eviction policies").
+    """
+
+    name = "probation"
+    GHOSTS = 0.5            # a ghost generation's length, in capacities: it remembers 1/2 to 1 capacity of keys
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._probation: OrderedDict = OrderedDict()    # stored once, least recent first
+        self._protected: OrderedDict = OrderedDict()    # named again, least recent first
+        self._ghosts: set = set()                       # evicted keys: this generation ...
+        self._old_ghosts: set = set()                   # ... and the one before
+        self._generation = max(1, int(self.GHOSTS * capacity))
+
+    def __len__(self):
+        return len(self._probation) + len(self._protected)
+
+    def __contains__(self, key):
+        return key in self._probation or key in self._protected
+
+    def _protect(self, keys, held=True):
+        """keys (most recent last) to protected's most recent end, from wherever they are (held: all are)."""
+        prob, prot = self._probation, self._protected
+        if held and (not prob or prob.keys().isdisjoint(keys)):     # all protected already: lru's refresh
+            deque(map(prot.move_to_end, keys), maxlen=0)
+        elif held and prot.keys().isdisjoint(keys):                 # all on probation
+            deque(map(prob.__delitem__, keys), maxlen=0)
+            prot.update(zip(keys, repeat(None)))
+        else:
+            deque(map(prob.pop, keys, repeat(None)), maxlen=0)
+            deque(map(prot.pop, keys, repeat(None)), maxlen=0)
+            prot.update(zip(keys, repeat(None)))
+
+    def _returned(self, new):
+        """the keys of new that a ghost generation names, forgotten there"""
+        returned = self._ghosts.intersection(new) if self._ghosts else set()
+        if self._old_ghosts:
+            returned |= self._old_ghosts.intersection(new)
+        if returned:
+            self._ghosts.difference_update(returned)
+            self._old_ghosts.difference_update(returned)
+        return returned
+
+    def stored(self, keys, new):
+        returned = self._returned(new) if new else ()
+        if len(new) == len(keys) and not returned:      # all new, none wanted back: lru's one insert
+            self._probation.update(zip(reversed(new), repeat(None)))
+            return
+        first = [k for k in new if k not in returned] if returned else new
+        if first:
+            self._probation.update(zip(reversed(first), repeat(None)))
+        if len(first) == len(keys):
+            return
+        if first:
+            first = set(first)
+            again = [k for k in reversed(keys) if k not in first]
+        else:
+            again = keys[::-1]
+        self._protect(again, held=not returned)
+
+    def touched(self, keys):
+        if keys:
+            self._protect(keys[::-1])
+
+    def victims(self, n, skip=None):
+        out = []
+        for part in (self._probation, self._protected):
+            if len(out) == n:
+                break
+            taken = []
+            if skip is None:
+                taken = list(islice(part, n - len(out)))
+            else:
+                need = n - len(out)
+                for key in part:
+                    if not skip(key):
+                        taken.append(key)
+                        if len(taken) == need:
+                            break
+            deque(map(part.__delitem__, taken), maxlen=0)
+            out += taken
+        if out:
+            self._ghosts.update(out)
+            if len(self._ghosts) >= self._generation:      # a new generation; the one before is forgotten
+                self._old_ghosts, self._ghosts = self._ghosts, set()
+        return out
+
+    def remove(self, key):
+        if self._probation.pop(key, True) is True:
+            self._protected.pop(key, None)
+
+    def clear(self):
+        for part in (self._probation, self._protected, self._ghosts, self._old_ghosts):
+            part.clear()
+
+POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "prefix": PrefixPolicy, "probation": ProbationPolicy}
 
 
 def make_policy(name: str, capacity: int):
