@@ -435,17 +435,19 @@ class ProbationPolicy:
         return key in self._probation or key in self._protected
 
     def _protect(self, keys, held=True):
-        """keys (most recent last) to protected's most recent end, from wherever they are (held: all are)."""
+        """keys (chain order) to protected's most recent end, head last, from wherever they are (held: all
+        are)."""
         prob, prot = self._probation, self._protected
         if held and (not prob or prob.keys().isdisjoint(keys)):     # all protected already: lru's refresh
-            deque(map(prot.move_to_end, keys), maxlen=0)
-        elif held and prot.keys().isdisjoint(keys):                 # all on probation
+            deque(map(prot.move_to_end, reversed(keys)), maxlen=0)
+            return
+        keys = keys[::-1]
+        if held and prot.keys().isdisjoint(keys):                   # all on probation
             deque(map(prob.__delitem__, keys), maxlen=0)
-            prot.update(zip(keys, repeat(None)))
         else:
             deque(map(prob.pop, keys, repeat(None)), maxlen=0)
             deque(map(prot.pop, keys, repeat(None)), maxlen=0)
-            prot.update(zip(keys, repeat(None)))
+        prot.update(zip(keys, repeat(None)))
 
     def _returned(self, new):
         """the keys of new that a ghost list names, forgotten there"""
@@ -487,15 +489,13 @@ class ProbationPolicy:
             return
         if first:
             first = set(first)
-            again = [k for k in reversed(keys) if k not in first]
-        else:
-            again = keys[::-1]
-        self._protect(again, held=not returned)
+            keys = [k for k in keys if k not in first]
+        self._protect(keys, held=not returned)
 
     def touched(self, keys):
         if keys:
             self._last_read = keys[-1]
-            self._protect(keys[::-1])
+            self._protect(keys)
 
     @staticmethod
     def _take(part, n, skip):
