@@ -406,11 +406,12 @@ class ProbationPolicy:
     by a 256th of the capacity (protected gives way), one evicted from protected moves it down as much;
     `room` stays within 0..0.9 x capacity. Where the GPU stores its evictions, blocks taken from probation
     are back before they are missed and `room` stays near 0.
-    Measured choices (docs/benchmarks.md, "Eviction policies"): ghosts remembered for 1/2-1 capacity (a
-    quarter loses agent at 2,000 and 4,000 blocks, 1-2 capacities documents at 2,000); the step of a 256th
-    (a 32nd overshoots: documents 2,000 and agent 2,000 lose; a 512th follows too slowly where nothing
-    stores the GPU's evictions). Costs: lru's for a call of new keys plus one set intersection, a few bulk
-    dict operations per key otherwise.
+    Measured choices (docs/benchmarks.md, "Eviction policies"; chosen on the three traces, not the held-out
+    ones): ghosts remembered for 1/2-1 capacity (a quarter loses to lru on agent at 2,000 and 4,000 blocks;
+    1-2 capacities gives up 5 points on documents at 2,000); the step of a 256th (a 32nd overshoots and loses
+    to lru on agent at 2,000; a 512th follows slower, a point below lru on the chat trace at 32,000 where
+    nothing stores the GPU's evictions). Costs: lru's for a call of new keys plus a lookup of each in the
+    ghost lists, a few bulk dict operations per key otherwise; about 1.1-1.2x lru's in a store.
     """
 
     name = "probation"
