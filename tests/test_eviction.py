@@ -196,28 +196,10 @@ def test_probation_follows_lru_closely_where_the_gpu_does_not_store_what_it_evic
     protected give way. The model with the GPU's write-back left out, at a tier of 16x the GPU: within a
     point of lru (seeded: 66.4% against lru's 67.0%; probation first alone, room held at 0: 60.3%)."""
     from fastcache.tools import trace_gen
-    from fastcache.tools.trace_model import _Tier, leading
-    from collections import OrderedDict
     requests = [r["hash_ids"] for r in trace_gen.generate("agent", requests=3000, seed=2)]
 
     def run(policy, gpu_blocks=300):
-        gpu, l2, hit, total = OrderedDict(), _Tier(policy.capacity, policy), 0, 0
-        for h in requests:
-            k = leading(h, gpu)
-            for key in reversed(h[:k]):
-                gpu.move_to_end(key)
-            for key in h[k:]:
-                gpu.pop(key, None)
-            for _ in range(max(0, len(gpu) + len(h) - k - gpu_blocks)):
-                gpu.popitem(last=False)             # dropped: not stored below
-            m = leading(h[k:], l2)
-            l2.refresh(h[k:k + m])
-            l2.store(h)
-            for key in reversed(h):
-                gpu[key] = True
-                gpu.move_to_end(key)
-            hit, total = hit + k + m, total + len(h)
-        return hit / total
+        return simulate(requests, gpu_blocks, policy.capacity, policy=policy, write_back=False).rates()["hit_rate"]
 
     class Fixed(ProbationPolicy):                   # room held at 0: probation always first
         def _missed(self, keys):

@@ -7,7 +7,11 @@ choice (the CPU tier evicts what is used farthest ahead). Printed as a table wit
 Belady's; --json writes the figures, --plot draws hit rate against capacity, one panel per trace.
 
     python -m fastcache.tools.policy_report --trace conversation_trace.jsonl --trace agent.jsonl \\
-        [--capacities 2000,4000,8000,16000,32000] [--gpu-blocks 1000] [--plot policies.png] [--json out.json]
+        [--capacities 2000,4000,8000,16000,32000] [--gpu-blocks 1000] [--no-write-back] [--plot policies.png]
+        [--json out.json]
+
+--no-write-back models an engine whose GPU cache drops what it evicts (vLLM's offloading connector stores a
+block only when it is computed) instead of storing it in the CPU tier.
 """
 from __future__ import annotations
 
@@ -22,11 +26,12 @@ from .trace_model import infinite, load_trace, simulate
 CAPACITIES = (2000, 4000, 8000, 16000, 32000)
 
 
-def compare(requests, capacities, gpu_blocks: int) -> dict:
+def compare(requests, capacities, gpu_blocks: int, write_back: bool = True) -> dict:
     """{capacity: {policy or "belady": hit rate}} and the infinite cache's, for one trace."""
     rows = {}
     for capacity in capacities:
-        rows[capacity] = {name: simulate(requests, gpu_blocks, capacity - gpu_blocks, policy=name).rates()["hit_rate"]
+        rows[capacity] = {name: simulate(requests, gpu_blocks, capacity - gpu_blocks, policy=name,
+                                         write_back=write_back).rates()["hit_rate"]
                           for name in (*sorted(POLICIES), "belady")}
     return {"capacities": rows, "infinite": infinite(requests).rates()["hit_rate"]}
 
@@ -70,6 +75,8 @@ def main(argv=None) -> int:
                    help="total blocks, GPU cache included (comma-separated)")
     p.add_argument("--gpu-blocks", type=int, default=1000)
     p.add_argument("--requests", type=int, help="only the first N requests of each trace")
+    p.add_argument("--no-write-back", dest="write_back", action="store_false",
+                   help="the GPU drops its victims instead of storing them in the CPU tier (vLLM's connector)")
     p.add_argument("--plot", metavar="PNG")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
             return 2
         if max(map(len, trace.requests)) > args.gpu_blocks:
             p.error(f"{path}: a request of {max(map(len, trace.requests))} blocks does not fit --gpu-blocks")
-        results[os.path.basename(path)] = result = compare(trace.requests, capacities, args.gpu_blocks)
+        results[os.path.basename(path)] = result = compare(trace.requests, capacities, args.gpu_blocks, args.write_back)
         print_table(os.path.basename(path), result)
     if args.plot:
         plot(args.plot, results)

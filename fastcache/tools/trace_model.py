@@ -9,7 +9,8 @@ one of them. `belady` is the offline ceiling: the CPU tier evicts what is used f
 
 Per request, with hashes h (a prefix chain) of n blocks:
   1. k = leading hashes resident on the GPU (refreshed, tail first);
-  2. n - k GPU blocks are taken: free ones, then the GPU's least recently used (stored to L2 first);
+  2. n - k GPU blocks are taken: free ones, then the GPU's least recently used (stored to L2 first, unless
+     write_back=False);
   3. m = leading hashes of h[k:] held by L2, which are loaded;
   4. the rest is computed; the whole chain h is stored to L2 (held hashes skipped) and becomes the GPU's
      most recently used, head last.
@@ -130,10 +131,17 @@ class _Tier:
             self.policy.touched(keys)
 
 
-def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False, policy: str = DEFAULT_POLICY) -> Hits:
-    """The tiers of the replay, on keys only; `policy` names the CPU tier's eviction policy (or "belady")."""
+def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False, policy=DEFAULT_POLICY,
+             write_back: bool = True) -> Hits:
+    """The tiers of the replay, on keys only. `policy` names the CPU tier's eviction policy (or "belady"), or is
+    a policy object of `cpu_blocks` keys. write_back=False leaves out step 2's store of the GPU's victims: the
+    GPU drops them, as vLLM's offloading connector does (it stores a block when it is computed only)."""
     gpu, hits = OrderedDict(), Hits()
-    l2 = _Tier(cpu_blocks, Belady(requests) if policy == "belady" else make_policy(policy, cpu_blocks))
+    if policy == "belady":
+        policy = Belady(requests)
+    elif isinstance(policy, str):
+        policy = make_policy(policy, cpu_blocks)
+    l2 = _Tier(cpu_blocks, policy)
     below = set()                              # L3: what L2 evicted (used when l3)
     for i, h in enumerate(requests):
         if isinstance(l2.policy, Belady):
@@ -145,7 +153,7 @@ def simulate(requests, gpu_blocks: int, cpu_blocks: int, l3: bool = False, polic
             gpu.pop(key, None)
         over = len(gpu) + len(h) - k - gpu_blocks
         victims = [gpu.popitem(last=False)[0] for _ in range(max(0, over))]
-        if victims:
+        if victims and write_back:
             below.update(l2.store(victims[::-1]))     # the most recently used victim first
         s = 0
         if l3:
