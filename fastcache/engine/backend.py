@@ -2,8 +2,8 @@
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
 validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
-managers (ranks.py), the task channel and its I/O thread (channel.py), store tasks (l3.py) and
-resharding (reshard_phase.py).
+managers (ranks.py), the task channel and its I/O thread (channel.py) and resharding (reshard_phase.py),
+mixed in; the store tasks (store_tasks.py), a part of its own that the store methods delegate to.
 """
 from __future__ import annotations
 
@@ -30,15 +30,16 @@ from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
 from ..ops import resolve_device
+from ..store import StoreURL
 from ..weight_spec import DEFAULT_RING_SLOTS, WeightSpec
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
-from .l3 import StoreTasks
 from .ranks import RankSupervision
 from .reshard_phase import ReshardPhase
+from .store_tasks import StoreTasks
 from .weights_phase import WeightPhases
 
 log = logging.getLogger("fastcache.engine")
@@ -47,7 +48,7 @@ CLOSE_TIMEOUT = 30.0        # seconds SwapBackend.close() takes at most by defau
 STOP_GRACE = 5.0            # of which the transfer managers get this long to stop before they are killed
 
 
-class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, WeightPhases):
+class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -74,7 +75,9 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
         self._init_weights(weights, offload_fraction, weight_budget, ring_slots)     # docs/design.md §11
-        self._init_store_tasks(store)              # L3 (engine/l3.py)
+        # L3 (docs/design.md §8); made here so that a bad store URL is refused before anything starts
+        self._store_tasks = StoreTasks(store, lambda: (self.spec, self.tp_size), self._new_task, self._send_task,
+                                       lambda: self._closed)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
         self._handles: dict[int, TransferHandle] = {}
@@ -260,6 +263,31 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         wire = wire_dtype(self.spec)
         return gpu_ids.astype(wire), cpu_ids.astype(wire)
 
+    # -- the store (docs/design.md §8; engine/store_tasks.py) ---------------------------------------------
+    @property
+    def store_url(self) -> StoreURL | None:
+        """The store this deployment's transfer managers put to and fetch from (None without one)."""
+        return self._store_tasks.url
+
+    def cpu_to_store(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
+        """Put CPU block cpu_block_ids[i] of every rank into the store as the object of hashes[i]."""
+        return self._store_tasks.cpu_to_store(namespace, hashes, cpu_block_ids)
+
+    def store_to_cpu(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
+        """Fetch the object of hashes[i] of every rank into CPU block cpu_block_ids[i]. The handle fails
+        (TransferError naming the store) if any object is missing or does not match its header; those
+        CPU blocks then hold undefined bytes."""
+        return self._store_tasks.store_to_cpu(namespace, hashes, cpu_block_ids)
+
+    def store_contains(self, namespace: str, hashes) -> np.ndarray:
+        """A bool per hash: does the store hold its object for every rank? (Existence only: a fetch still
+        checks each header.) StoreError if the store does not answer within QUERY_TIMEOUT seconds."""
+        return self._store_tasks.store_contains(namespace, hashes)
+
+    def store_remove(self, namespace: str, hashes):
+        """Remove the objects of these hashes, every rank's (absent ones are ignored)."""
+        self._store_tasks.store_remove(namespace, hashes)
+
     def cpu_tier(self, rank: int) -> np.ndarray:
         """Rank's CPU tier as uint8 [num_cpu_blocks, cpu_block_bytes], a view of its blocks without their slots
         (block-major; for checks and tools)."""
@@ -436,7 +464,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         if hasattr(self, "socket_dir"):
             remove_socket_dir(self.socket_dir)
         remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
-        self._close_store()
+        self._store_tasks.close()
         if self._reaper is not None:
             self._reaper.close()
 
