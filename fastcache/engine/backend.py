@@ -3,7 +3,8 @@
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
 validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
 managers (ranks.py), the task channel and its I/O thread (channel.py) and resharding (reshard_phase.py),
-mixed in; the store tasks (store_tasks.py), a part of its own that the store methods delegate to.
+mixed in; the store tasks (store_tasks.py) and the weight group (weights.py), parts of its own that its store
+and weight methods delegate to.
 """
 from __future__ import annotations
 
@@ -40,15 +41,16 @@ from .ids import as_ids, wire_dtype
 from .ranks import RankSupervision
 from .reshard_phase import ReshardPhase
 from .store_tasks import StoreTasks
-from .weights_phase import WeightPhases
+from .weights import WeightGroup, place_weights
 
 log = logging.getLogger("fastcache.engine")
 
 CLOSE_TIMEOUT = 30.0        # seconds SwapBackend.close() takes at most by default
 STOP_GRACE = 5.0            # of which the transfer managers get this long to stop before they are killed
+SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
-class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
+class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -74,7 +76,11 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
         if len(self.device_ids) != tp_size:
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
-        self._init_weights(weights, offload_fraction, weight_budget, ring_slots)     # docs/design.md §11
+        self._weights = WeightGroup(                # docs/design.md §11 (engine/weights.py)
+            place_weights(weights, offload_fraction, weight_budget, ring_slots, tp_size, self.device,
+                          self.device_ids),
+            self.suffix, lambda: self.tp_size, lambda: self.signals, self._new_task, self._new_phase_task,
+            self._send_task)
         # L3 (docs/design.md §8); made here so that a bad store URL is refused before anything starts
         self._store_tasks = StoreTasks(store, lambda: (self.spec, self.tp_size), self._new_task, self._send_task,
                                        lambda: self._closed)
@@ -88,8 +94,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
         self._copy_seconds: dict[int, tuple] = {}       # rank -> its last reshard move's (copy, weights) seconds
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
-        self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # and the weight streams' (ipc/layers.py)
-        self._weight_slots = SlotClaims("a weight stream")
+        self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # ipc/layers.py (weight streams: weights.py)
         self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
         self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
@@ -127,7 +132,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
             self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
             self._create_swap_spaces()
-            self._create_weight_regions()
+            self._weights.create_regions()
             self.socket_dir = make_socket_dir(self.suffix)
             self._context = zmq.Context()
             self._router = bind_replies(self._context, self.socket_dir)
@@ -185,7 +190,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
 
     def _all_ready(self) -> bool:
         return (all(self._attached[:self.tp_size]) and bool(self.signals.cache_ready[:self.tp_size].all())
-                and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights_ready())
+                and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights.ready())
 
     def _readiness(self) -> str:
         return "; ".join(
@@ -246,6 +251,13 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
         handle.add_done_callback(self.counters.record)      # fastcache.metrics: per direction
         return handle
 
+    def _new_phase_task(self, kind, nbytes: int) -> TransferHandle:
+        """The handle of a task that a phase sends outside NORMAL (a sleep's or a wake's weight copy)."""
+        self._raise_if_failed()
+        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size), nbytes)
+        handle.add_done_callback(self.counters.record)
+        return handle
+
     def _send_task(self, handle, message) -> TransferHandle:
         with self._handles_lock:
             self._handles[handle.task_id] = handle
@@ -302,6 +314,78 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
 
     def free_cpu_blocks(self, ids):
         self.allocator.free(ids)
+
+    # -- weights (docs/design.md §11; engine/weights.py) ---------------------------------------------------
+    @property
+    def weight_layout(self) -> WeightSpec | None:
+        """The placed WeightSpec (given to each worker's register_weights), None without weights."""
+        return self._weights.layout
+
+    def weight_region(self, rank: int) -> np.ndarray:
+        """Rank's CPU weight region as uint8 [num_layers, layer_bytes]: CPU block l holds layer l (for checks
+        and tools)."""
+        return self._weights.region(rank)
+
+    def stream_weights(self) -> TransferHandle:
+        """Stream the offloaded layers of one forward pass into the ring of device slots, in order; a slot is
+        refilled once the forward has moved past the layer it held. `handle.wait_layer(i)` returns once the
+        i-th offloaded layer is in place; a worker's forward waits by `handle.task_id`."""
+        return self._weights.stream()
+
+    def sleep(self, level: int = 1, timeout: float = 60.0):
+        """Free every rank's KV cache and weights, as clear_caches frees the cache (status CLEARED). level 1
+        first copies the resident weights into the CPU weight region and compares them there; level 2 copies
+        nothing (new weights come after wake). A dead rank fails it naming the rank: restart_rank, sleep again."""
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        with self._phase_lock:
+            asleep, status = int(self.signals.sleep_level[0]), self.signals.status
+            if asleep and asleep != level:
+                raise TransferError(f"sleep({level}) refused: a sleep({asleep}) is under way or done")
+            if status == CLEARED and asleep:
+                return
+            if status not in (NORMAL, CLEARING) or (status == CLEARING and not asleep):
+                raise TransferError(f"sleep refused: kv_cache_status is {STATUS_NAMES.get(status, status)}")
+            if self._pending_reshard is not None:
+                raise TransferError("sleep refused: a reshard is pending")
+            self._raise_if_failed()
+            deadline = time.monotonic() + timeout
+            self.barrier.reset()
+            self.signals.status = CLEARING          # refuses new swaps from here on
+            self._drain(deadline)
+            if level == 1:
+                try:
+                    self._weights.save_resident(deadline)
+                except BaseException:
+                    self.signals.status = NORMAL    # nothing was freed: the deployment serves on
+                    raise
+            self.signals.sleep_level[0] = level     # workers and transfer managers let go of the weights too
+            self._clear_phase(deadline)
+
+    def wake(self, timeout: float = 60.0):
+        """Re-create every rank's weights and KV cache (status NORMAL); after sleep(1) the weights are copied
+        back first. A dead rank fails it naming the rank: restart_rank, wake again."""
+        with self._phase_lock:
+            level, status = int(self.signals.sleep_level[0]), self.signals.status
+            if not level:
+                if status == NORMAL:
+                    return
+                raise TransferError(f"wake needs a sleeping deployment; kv_cache_status is "
+                                    f"{STATUS_NAMES.get(status, status)}")
+            if status not in (CLEARED, UPDATING):
+                raise TransferError(f"wake refused: the sleep has not finished (kv_cache_status is "
+                                    f"{STATUS_NAMES.get(status, status)}); call sleep({level}) again")
+            self._raise_if_failed()
+            deadline = time.monotonic() + timeout
+            self._restore_phase(deadline, "wake")
+            self._weights.restore_resident(level, deadline)
+            self.signals.sleep_level[0] = 0
+            self.signals.status = NORMAL
+
+    @property
+    def asleep(self) -> int:
+        """The level of the sleep under way or done, 0 when awake."""
+        return int(self.signals.sleep_level[0])
 
     # -- clear / restore (docs/design.md §6) ---------------------------------------------------------------
     def clear_caches(self, timeout: float = 60.0):
@@ -454,7 +538,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase, WeightPhases):
         if hasattr(self, "_context"):
             self._context.term()
         self._release_swap_spaces()
-        self._release_weight_regions()
+        self._weights.release_regions()
         if self._pending_reshard is not None:
             self._drop_step_memory(self._pending_reshard)
         if self.barrier is not None:

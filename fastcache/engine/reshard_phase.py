@@ -356,7 +356,7 @@ class ReshardPhase:
             if plan.new_weights is not None:
                 self.signals.weights_ready[r] = 0
         if plan.new_weights is not None:
-            self._resize_weight_regions(plan.new_tp, plan.new_weights, plan.fresh)
+            self._weights.resize_regions(plan.new_tp, plan.new_weights, plan.fresh)
         cap = self.barrier.capacity
         self.barrier.set_active(self.barrier.active + [transfer_party(r) for r in plan.fresh]
                                 + [worker_party(cap, r) for r in plan.fresh])
@@ -455,7 +455,7 @@ class ReshardPhase:
                 step.fresh_started = False
             m = plan.old_tp
             if plan.new_weights is not None:
-                self._resize_weight_regions(m, self.weight_layout, [])
+                self._weights.resize_regions(m, self.weight_layout, [])
             self._procs, self._registered = self._procs[:m], self._registered[:m]
             self._attached, self._swap_segments = self._attached[:m], self._swap_segments[:m]
             self._task_pushes = self._task_pushes[:m]
@@ -570,8 +570,7 @@ class ReshardPhase:
         fresh = slice_bytes(plan.new_weights)
         self._weight_capacities = [[moved.get((r, i), cap) for i, cap in enumerate(self._weight_capacities[r])]
                                    for r in plan.kept] + [fresh] * len(plan.fresh)
-        self.weight_layout = plan.new_weights
-        self._resize_weight_regions(plan.new_tp, plan.new_weights, plan.kept)
+        self._weights.take_layout(plan.new_weights, plan.new_tp, plan.kept)
 
     def _drop_step_memory(self, step):
         for seg in step.cpu_staging.values():
