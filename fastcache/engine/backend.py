@@ -2,9 +2,10 @@
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
 validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
-managers (ranks.py), the task channel and its I/O thread (channel.py) and resharding (reshard_phase.py),
-mixed in; the store tasks (store_tasks.py) and the weight group (weights.py), parts of its own that its store
-and weight methods delegate to.
+managers (ranks.py) and the task channel with its I/O thread (channel.py), mixed in; the store tasks
+(store_tasks.py), the weight group (weights.py) and the resharder (resharder.py), parts it owns, each the one
+owner of its state, that its store, weight and reshard methods delegate to. The resharder reaches the ranks'
+state through _ReshardHost, defined here beside that state.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, Depl
 from ..metrics import SwapCounters
 from ..ops import resolve_device
 from ..store import StoreURL
+from ..reshard_plan import DEFAULT_STAGING_BYTES
 from ..weight_spec import DEFAULT_RING_SLOTS, WeightSpec
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
@@ -39,7 +41,7 @@ from .channel import TaskChannel
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
 from .ranks import RankSupervision
-from .reshard_phase import ReshardPhase
+from .resharder import Resharder
 from .store_tasks import StoreTasks
 from .weights import WeightGroup, place_weights
 
@@ -50,7 +52,7 @@ STOP_GRACE = 5.0            # of which the transfer managers get this long to st
 SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
-class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
+class SwapBackend(RankSupervision, TaskChannel):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -107,7 +109,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
         self._warned: set = set()
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
-        self._init_reshard()                        # docs/design.md §9 (engine/reshard_phase.py)
+        self._resharder = Resharder(_ReshardHost(self))      # docs/design.md §9 (engine/resharder.py)
 
     # -- start-up --------------------------------------------------------------------------------
     def __enter__(self):
@@ -315,6 +317,41 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
     def free_cpu_blocks(self, ids):
         self.allocator.free(ids)
 
+    # -- resharding (docs/design.md §9; engine/resharder.py) ----------------------------------------------
+    def reshard(self, tp_size, live_blocks=None, start_workers=None, stop_workers=None, timeout: float = 120.0,
+                *, device_ids=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        """Move every live block's KV head slices to the ranks that own them under tp_size (docs/design.md §9).
+
+        Returns (new per-rank CacheSpec, block_map {old GPU id: new GPU id} of the live blocks). The CPU
+        tier's used blocks survive too: `last_reshard["cpu_block_map"]` says where they went (the allocator
+        and every TieredCache over this backend are remapped already). `start_workers(ranks, spec)` must start
+        the workers of ranks that appear (for tp `backend.resharding.to_tp`), `stop_workers(ranks)` stop those
+        that go. `device_ids`: the new ranks' devices (default: kept ranks keep theirs, new rank r gets r).
+        ValueError for a bad request, before anything changes; TransferError if a rank fails (engine/resharder.py
+        says what is left in service then)."""
+        with self._phase_lock:
+            return self._resharder.reshard(tp_size, live_blocks, start_workers, stop_workers, timeout,
+                                           device_ids=device_ids, staging_bytes=staging_bytes)
+
+    @property
+    def last_reshard(self) -> dict | None:
+        """The report of the last completed reshard."""
+        return self._resharder.last_reshard
+
+    @property
+    def resharding(self):
+        """The step in progress (a ReshardStep: start_workers may read it), None between steps."""
+        return self._resharder.resharding
+
+    @property
+    def rank_capacity(self) -> int:
+        """The most ranks this deployment can reshard to: its total KV heads, at most 31."""
+        return self._resharder.rank_capacity
+
+    def register_cache(self, cache):
+        """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
+        self._resharder.register_cache(cache)
+
     # -- weights (docs/design.md §11; engine/weights.py) ---------------------------------------------------
     @property
     def weight_layout(self) -> WeightSpec | None:
@@ -346,7 +383,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
                 return
             if status not in (NORMAL, CLEARING) or (status == CLEARING and not asleep):
                 raise TransferError(f"sleep refused: kv_cache_status is {STATUS_NAMES.get(status, status)}")
-            if self._pending_reshard is not None:
+            if self._resharder.pending is not None:
                 raise TransferError("sleep refused: a reshard is pending")
             self._raise_if_failed()
             deadline = time.monotonic() + timeout
@@ -393,7 +430,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
         with self._phase_lock:
             if self.signals.status == CLEARED:
                 return
-            if self._pending_reshard is not None:
+            if self._resharder.pending is not None:
                 raise TransferError("clear refused: a reshard is pending (restart_rank the failed rank, then "
                                     "reshard again)")
             self._raise_if_failed()
@@ -518,7 +555,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
             self._closed = True
             return
         deadline = time.monotonic() + timeout
-        self._close_caches(max(0.0, timeout - STOP_GRACE))
+        self._resharder.close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
         if getattr(self, "_io_thread", None) is not None:
             self._send_all(protocol.encode("stop"))
@@ -539,8 +576,7 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
             self._context.term()
         self._release_swap_spaces()
         self._weights.release_regions()
-        if self._pending_reshard is not None:
-            self._drop_step_memory(self._pending_reshard)
+        self._resharder.close()
         if self.barrier is not None:
             self.barrier.close()
         if self.signals is not None:
@@ -552,3 +588,132 @@ class SwapBackend(RankSupervision, TaskChannel, ReshardPhase):
         if self._reaper is not None:
             self._reaper.close()
 
+
+
+class _ReshardHost:
+    """The resharder's way into the backend (engine/resharder.py, ReshardHost): the ranks' state a step grows,
+    shrinks and retires is changed here, beside the code that defines it. A list the I/O thread reads is
+    replaced, never changed in length in place (the thread may be iterating it)."""
+
+    def __init__(self, backend: SwapBackend):
+        self._b = backend
+
+    # what the backend has now (a step changes the geometry)
+    spec = property(lambda self: self._b.spec)
+    tp_size = property(lambda self: self._b.tp_size)
+    device_ids = property(lambda self: self._b.device_ids)
+    device = property(lambda self: self._b.device)
+    suffix = property(lambda self: self._b.suffix)
+    signals = property(lambda self: self._b.signals)
+    barrier = property(lambda self: self._b.barrier)
+    allocator = property(lambda self: self._b.allocator)
+    weights = property(lambda self: self._b._weights)
+    running = property(lambda self: self._b.running)
+    failed_ranks = property(lambda self: self._b.failed_ranks)
+
+    # -- phases ----------------------------------------------------------------------------------
+    def drain(self, deadline):
+        self._b._drain(deadline)
+
+    def run_phase(self, phase, message, deadline):
+        self._b._run_phase(phase, message, deadline)
+
+    def wait_signals(self, condition, deadline, what, detail=None):
+        self._b._wait_signals(condition, deadline, what, detail)
+
+    def all_ready(self) -> bool:
+        return self._b._all_ready()
+
+    def expect_reports(self, phase):
+        """Collect the ranks' reports of `phase` from now on (before it is sent: a fast report is kept)."""
+        b = self._b
+        with b._phase_cond:
+            b._phase_acks[phase] = {}
+            b._copy_seconds.clear()
+
+    def collect_reports(self, phase, ranks, deadline) -> tuple[dict, dict]:
+        """Until every rank in `ranks` has reported `phase`, one of them has failed, or the deadline: the reports
+        ({rank: error or None}) and the ranks' copy seconds; stops collecting."""
+        b = self._b
+        with b._phase_cond:
+            acks = b._phase_acks[phase]
+            b._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in b._failed for r in ranks),
+                                   max(0.0, deadline - time.monotonic()))
+            got, copies = dict(acks), dict(b._copy_seconds)
+            b._phase_acks.pop(phase, None)
+        return got, copies
+
+    # -- the ranks' processes and pipes ------------------------------------------------------------
+    def spawn(self, rank, spec, tp, device_id, weights):
+        self._b._spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
+
+    def registered(self, rank) -> bool:
+        return self._b._registered[rank]
+
+    def pid(self, rank) -> int:
+        return self._b._procs[rank].pid
+
+    def send_to(self, rank, message) -> bool:
+        return self._b._send_to(rank, message)
+
+    def check_exit(self, rank) -> bool:
+        return self._b._check_exit(rank)
+
+    def take_out(self, rank):
+        """Rank's process, taken out of service so that supervision does not report its (planned) exit."""
+        b = self._b
+        proc, b._procs[rank] = b._procs[rank], None
+        b._failed.pop(rank, None)
+        b._attached[rank] = b._registered[rank] = False
+        return proc
+
+    def detach(self, ranks):
+        """These ranks attach their caches again before they are ready."""
+        for r in ranks:
+            self._b._attached[r] = False
+
+    # -- the ranks' lists and CPU tiers ------------------------------------------------------------
+    def add_ranks(self, tp):
+        """Room for ranks up to tp (a scale-out's new ones), none in service yet."""
+        b = self._b
+        grow = tp - len(b._procs)
+        if grow > 0:
+            b._procs, b._registered = b._procs + [None] * grow, b._registered + [False] * grow
+            b._attached, b._swap_segments = b._attached + [False] * grow, b._swap_segments + [None] * grow
+        b.signals.resize(tp)
+        with b._submit_lock:         # _spawn binds the new ranks' task sockets
+            b._task_pushes = b._task_pushes + [None] * (tp - len(b._task_pushes))
+
+    def create_cpu_tier(self, rank, spec):
+        b = self._b
+        if b._swap_segments[rank] is None:
+            b._swap_segments[rank] = SharedSegment.create(swap_space_name(b.suffix, rank), spec.cpu_cache_bytes,
+                                                          b.suffix)
+
+    def drop_rank(self, rank):
+        """A retired rank's task pipe and CPU tier go."""
+        b = self._b
+        with b._submit_lock:
+            push, b._task_pushes[rank] = b._task_pushes[rank], None
+            if push is not None:
+                push.close(0)
+        seg, b._swap_segments[rank] = b._swap_segments[rank], None
+        if seg is not None:
+            seg.close()
+
+    def keep_ranks(self, tp):
+        """Ranks below tp only (a commit's or a rollback's): a rank from tp on that still has a pipe or a CPU
+        tier (one a failed scale-out made before its rank started) loses it too."""
+        b = self._b
+        for r in range(tp, len(b._procs)):
+            b._procs[r] = None                  # retired: None already; supervision sees None
+            if r < len(b._task_pushes) and b._task_pushes[r] is not None or b._swap_segments[r] is not None:
+                self.drop_rank(r)
+        b._procs, b._registered = b._procs[:tp], b._registered[:tp]
+        b._attached, b._swap_segments = b._attached[:tp], b._swap_segments[:tp]
+        b._task_pushes = b._task_pushes[:tp]
+        b.signals.resize(tp)
+
+    def take_geometry(self, spec, tp, device_ids):
+        b = self._b
+        b.spec, b.tp_size, b.device_ids = spec, tp, device_ids
