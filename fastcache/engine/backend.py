@@ -32,8 +32,8 @@ from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
 from ..ops import resolve_device
-from ..store import StoreURL
 from ..reshard_plan import DEFAULT_STAGING_BYTES
+from ..store import StoreURL
 from ..weight_spec import DEFAULT_RING_SLOTS, WeightSpec
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
@@ -589,7 +589,6 @@ class SwapBackend(RankSupervision, TaskChannel):
             self._reaper.close()
 
 
-
 class _ReshardHost:
     """The resharder's way into the backend (engine/resharder.py, ReshardHost): the ranks' state a step grows,
     shrinks and retires is changed here, beside the code that defines it. A list the I/O thread reads is
@@ -707,7 +706,7 @@ class _ReshardHost:
         b = self._b
         for r in range(tp, len(b._procs)):
             b._procs[r] = None                  # retired: None already; supervision sees None
-            if r < len(b._task_pushes) and b._task_pushes[r] is not None or b._swap_segments[r] is not None:
+            if (r < len(b._task_pushes) and b._task_pushes[r] is not None) or b._swap_segments[r] is not None:
                 self.drop_rank(r)
         b._procs, b._registered = b._procs[:tp], b._registered[:tp]
         b._attached, b._swap_segments = b._attached[:tp], b._swap_segments[:tp]
