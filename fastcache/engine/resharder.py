@@ -133,7 +133,7 @@ class Resharder:
         # each rank's allocation per weight tensor, bytes: a kept rank keeps it, so a later step may fit in it
         self._weight_capacities = [slice_bytes(layout)] * tp if layout is not None else None
         self._seq = self._attempts = 0
-        self.pending: ReshardStep | None = None     # past its point of no return, waiting for the same reshard again
+        self.pending: ReshardStep | None = None     # a step a failure left unfinished: the same reshard resumes it
         self._caches = weakref.WeakSet()            # TieredCaches over the deployment: remapped by a reshard
         self.last_reshard = None                    # the report of the last completed reshard
         self.resharding = None                      # the step in progress (start_workers may read it)
