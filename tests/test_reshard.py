@@ -652,6 +652,38 @@ def test_a_rollback_whose_callbacks_raise_still_finishes_and_names_both_failures
         assert new.num_kv_heads == 2
 
 
+def test_a_scale_out_that_cannot_make_a_new_ranks_cpu_tier_rolls_back_without_keeping_the_ones_it_made(monkeypatch):
+    """Rank 2's CPU tier cannot be made after rank 1's was: the rollback removes rank 1's too, so the same
+    scale-out later finds its names free and succeeds."""
+    from fastcache.engine import backend as backend_module
+    from fastcache.ipc.naming import swap_space_name
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(8)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 4)
+        real_create = backend_module.SharedSegment.create
+
+        def create(name, size, suffix):
+            if name == swap_space_name(backend.suffix, 2):
+                raise MemoryError("no shared memory for rank 2's CPU tier")
+            return real_create(name, size, suffix)
+        monkeypatch.setattr(backend_module.SharedSegment, "create", create)
+        with pytest.raises(MemoryError, match="rank 2's CPU tier"):
+            backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        monkeypatch.undo()
+        assert backend.status == NORMAL and backend.tp_size == 1 and backend.spec == spec
+        leftover = [r for r in (1, 2, 3)
+                    if os.path.exists(os.path.join("/dev/shm", swap_space_name(backend.suffix, r).lstrip("/")))]
+        assert leftover == [], f"the CPU tiers of ranks {leftover} outlived the rollback"
+        assert model.check() == [] and model.swap_round(4) == 4 and model.check() == []
+        model.detach()
+        new, block_map = backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        model.remap(block_map, backend.last_reshard["cpu_block_map"])
+        model.attach()
+        assert model.check() == [] and new.num_kv_heads == 1
+        model.detach()
+
+
 @pytest.mark.parametrize("how", ["blocks", "never_ready"])
 def test_the_timeout_holds_while_a_callback_blocks_and_names_the_ranks_still_missing(how):
     """start_workers that never returns, or returns without starting rank 2: the reshard fails within its

@@ -512,8 +512,8 @@ def test_a_store_being_opened_by_one_backend_does_not_hold_up_another(tmp_path):
     a = SwapBackend(SPEC, device="sim", store=f"file://{tmp_path}/a")
     b = SwapBackend(SPEC, device="sim", store=f"file://{tmp_path}/b")
     answered = threading.Event()
-    with a._store_lock:                 # a's client is being opened
+    with a._store_tasks._client_lock:                 # a's client is being opened
         threading.Thread(target=lambda: answered.set() if not b.store_contains("m/0", [1, 2]).any() else None,
                          daemon=True).start()
         assert answered.wait(10), "backend b waited for backend a's store"
-    b._close_store()
+    b._store_tasks.close()

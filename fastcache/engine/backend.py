@@ -2,8 +2,10 @@
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
 validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
-managers (ranks.py), the task channel and its I/O thread (channel.py), store tasks (l3.py) and
-resharding (reshard_phase.py).
+managers (ranks.py) and the task channel with its I/O thread (channel.py), mixed in; the store tasks
+(store_tasks.py), the weight group (weights.py) and the resharder (resharder.py), parts it owns, each the one
+owner of its state, that its store, weight and reshard methods delegate to. The resharder reaches the ranks'
+state through _ReshardHost, defined here beside that state.
 """
 from __future__ import annotations
 
@@ -30,24 +32,27 @@ from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
 from ..ops import resolve_device
+from ..reshard_plan import DEFAULT_STAGING_BYTES
+from ..store import StoreURL
 from ..weight_spec import DEFAULT_RING_SLOTS, WeightSpec
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
-from .l3 import StoreTasks
 from .ranks import RankSupervision
-from .reshard_phase import ReshardPhase
-from .weights_phase import WeightPhases
+from .resharder import Resharder
+from .store_tasks import StoreTasks
+from .weights import WeightGroup, place_weights
 
 log = logging.getLogger("fastcache.engine")
 
 CLOSE_TIMEOUT = 30.0        # seconds SwapBackend.close() takes at most by default
 STOP_GRACE = 5.0            # of which the transfer managers get this long to stop before they are killed
+SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
-class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, WeightPhases):
+class SwapBackend(RankSupervision, TaskChannel):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -73,8 +78,14 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         if len(self.device_ids) != tp_size:
             raise ValueError(f"device_ids lists {len(self.device_ids)} devices for tp_size {tp_size}")
         self._check_fits()
-        self._init_weights(weights, offload_fraction, weight_budget, ring_slots)     # docs/design.md §11
-        self._init_store_tasks(store)              # L3 (engine/l3.py)
+        self._weights = WeightGroup(                # docs/design.md §11 (engine/weights.py)
+            place_weights(weights, offload_fraction, weight_budget, ring_slots, tp_size, self.device,
+                          self.device_ids),
+            self.suffix, lambda: self.tp_size, lambda: self.signals, self._new_task, self._new_phase_task,
+            self._send_task)
+        # L3 (docs/design.md §8); made here so that a bad store URL is refused before anything starts
+        self._store_tasks = StoreTasks(store, lambda: (self.spec, self.tp_size), self._new_task, self._send_task,
+                                       lambda: self._closed)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
         self._handles: dict[int, TransferHandle] = {}
@@ -85,8 +96,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         self._copy_seconds: dict[int, tuple] = {}       # rank -> its last reshard move's (copy, weights) seconds
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
-        self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # and the weight streams' (ipc/layers.py)
-        self._weight_slots = SlotClaims("a weight stream")
+        self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # ipc/layers.py (weight streams: weights.py)
         self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
         self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
@@ -99,7 +109,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         self._warned: set = set()
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
-        self._init_reshard()                        # docs/design.md §9 (engine/reshard_phase.py)
+        self._resharder = Resharder(_ReshardHost(self))      # docs/design.md §9 (engine/resharder.py)
 
     # -- start-up --------------------------------------------------------------------------------
     def __enter__(self):
@@ -124,7 +134,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
             self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
             self._create_swap_spaces()
-            self._create_weight_regions()
+            self._weights.create_regions()
             self.socket_dir = make_socket_dir(self.suffix)
             self._context = zmq.Context()
             self._router = bind_replies(self._context, self.socket_dir)
@@ -182,7 +192,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
 
     def _all_ready(self) -> bool:
         return (all(self._attached[:self.tp_size]) and bool(self.signals.cache_ready[:self.tp_size].all())
-                and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights_ready())
+                and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights.ready())
 
     def _readiness(self) -> str:
         return "; ".join(
@@ -243,6 +253,13 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         handle.add_done_callback(self.counters.record)      # fastcache.metrics: per direction
         return handle
 
+    def _new_phase_task(self, kind, nbytes: int) -> TransferHandle:
+        """The handle of a task that a phase sends outside NORMAL (a sleep's or a wake's weight copy)."""
+        self._raise_if_failed()
+        handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size), nbytes)
+        handle.add_done_callback(self.counters.record)
+        return handle
+
     def _send_task(self, handle, message) -> TransferHandle:
         with self._handles_lock:
             self._handles[handle.task_id] = handle
@@ -260,6 +277,31 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         wire = wire_dtype(self.spec)
         return gpu_ids.astype(wire), cpu_ids.astype(wire)
 
+    # -- the store (docs/design.md §8; engine/store_tasks.py) ---------------------------------------------
+    @property
+    def store_url(self) -> StoreURL | None:
+        """The store this deployment's transfer managers put to and fetch from (None without one)."""
+        return self._store_tasks.url
+
+    def cpu_to_store(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
+        """Put CPU block cpu_block_ids[i] of every rank into the store as the object of hashes[i]."""
+        return self._store_tasks.cpu_to_store(namespace, hashes, cpu_block_ids)
+
+    def store_to_cpu(self, namespace: str, hashes, cpu_block_ids) -> TransferHandle:
+        """Fetch the object of hashes[i] of every rank into CPU block cpu_block_ids[i]. The handle fails
+        (TransferError naming the store) if any object is missing or does not match its header; those
+        CPU blocks then hold undefined bytes."""
+        return self._store_tasks.store_to_cpu(namespace, hashes, cpu_block_ids)
+
+    def store_contains(self, namespace: str, hashes) -> np.ndarray:
+        """A bool per hash: does the store hold its object for every rank? (Existence only: a fetch still
+        checks each header.) StoreError if the store does not answer within QUERY_TIMEOUT seconds."""
+        return self._store_tasks.store_contains(namespace, hashes)
+
+    def store_remove(self, namespace: str, hashes):
+        """Remove the objects of these hashes, every rank's (absent ones are ignored)."""
+        self._store_tasks.store_remove(namespace, hashes)
+
     def cpu_tier(self, rank: int) -> np.ndarray:
         """Rank's CPU tier as uint8 [num_cpu_blocks, cpu_block_bytes], a view of its blocks without their slots
         (block-major; for checks and tools)."""
@@ -275,13 +317,120 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
     def free_cpu_blocks(self, ids):
         self.allocator.free(ids)
 
+    # -- resharding (docs/design.md §9; engine/resharder.py) ----------------------------------------------
+    def reshard(self, tp_size, live_blocks=None, start_workers=None, stop_workers=None, timeout: float = 120.0,
+                *, device_ids=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        """Move every live block's KV head slices to the ranks that own them under tp_size (docs/design.md §9).
+
+        Returns (new per-rank CacheSpec, block_map {old GPU id: new GPU id} of the live blocks). The CPU
+        tier's used blocks survive too: `last_reshard["cpu_block_map"]` says where they went (the allocator
+        and every TieredCache over this backend are remapped already). `start_workers(ranks, spec)` must start
+        the workers of ranks that appear (for tp `backend.resharding.to_tp`), `stop_workers(ranks)` stop those
+        that go. `device_ids`: the new ranks' devices (default: kept ranks keep theirs, new rank r gets r).
+        ValueError for a bad request, before anything changes; TransferError if a rank fails (engine/resharder.py
+        says what is left in service then)."""
+        with self._phase_lock:
+            return self._resharder.reshard(tp_size, live_blocks, start_workers, stop_workers, timeout,
+                                           device_ids=device_ids, staging_bytes=staging_bytes)
+
+    @property
+    def last_reshard(self) -> dict | None:
+        """The report of the last completed reshard."""
+        return self._resharder.last_reshard
+
+    @property
+    def resharding(self):
+        """The step in progress (a ReshardStep: start_workers may read it), None between steps."""
+        return self._resharder.resharding
+
+    @property
+    def rank_capacity(self) -> int:
+        """The most ranks this deployment can reshard to: its total KV heads, at most 31."""
+        return self._resharder.rank_capacity
+
+    def register_cache(self, cache):
+        """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
+        self._resharder.register_cache(cache)
+
+    # -- weights (docs/design.md §11; engine/weights.py) ---------------------------------------------------
+    @property
+    def weight_layout(self) -> WeightSpec | None:
+        """The placed WeightSpec (given to each worker's register_weights), None without weights."""
+        return self._weights.layout
+
+    def weight_region(self, rank: int) -> np.ndarray:
+        """Rank's CPU weight region as uint8 [num_layers, layer_bytes]: CPU block l holds layer l (for checks
+        and tools)."""
+        return self._weights.region(rank)
+
+    def stream_weights(self) -> TransferHandle:
+        """Stream the offloaded layers of one forward pass into the ring of device slots, in order; a slot is
+        refilled once the forward has moved past the layer it held. `handle.wait_layer(i)` returns once the
+        i-th offloaded layer is in place; a worker's forward waits by `handle.task_id`."""
+        return self._weights.stream()
+
+    def sleep(self, level: int = 1, timeout: float = 60.0):
+        """Free every rank's KV cache and weights, as clear_caches frees the cache (status CLEARED). level 1
+        first copies the resident weights into the CPU weight region and compares them there; level 2 copies
+        nothing (new weights come after wake). A dead rank fails it naming the rank: restart_rank, sleep again."""
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        with self._phase_lock:
+            asleep, status = int(self.signals.sleep_level[0]), self.signals.status
+            if asleep and asleep != level:
+                raise TransferError(f"sleep({level}) refused: a sleep({asleep}) is under way or done")
+            if status == CLEARED and asleep:
+                return
+            if status not in (NORMAL, CLEARING) or (status == CLEARING and not asleep):
+                raise TransferError(f"sleep refused: kv_cache_status is {STATUS_NAMES.get(status, status)}")
+            if self._resharder.pending is not None:
+                raise TransferError("sleep refused: a reshard is pending")
+            self._raise_if_failed()
+            deadline = time.monotonic() + timeout
+            self.barrier.reset()
+            self.signals.status = CLEARING          # refuses new swaps from here on
+            self._drain(deadline)
+            if level == 1:
+                try:
+                    self._weights.save_resident(deadline)
+                except BaseException:
+                    self.signals.status = NORMAL    # nothing was freed: the deployment serves on
+                    raise
+            self.signals.sleep_level[0] = level     # workers and transfer managers let go of the weights too
+            self._clear_phase(deadline)
+
+    def wake(self, timeout: float = 60.0):
+        """Re-create every rank's weights and KV cache (status NORMAL); after sleep(1) the weights are copied
+        back first. A dead rank fails it naming the rank: restart_rank, wake again."""
+        with self._phase_lock:
+            level, status = int(self.signals.sleep_level[0]), self.signals.status
+            if not level:
+                if status == NORMAL:
+                    return
+                raise TransferError(f"wake needs a sleeping deployment; kv_cache_status is "
+                                    f"{STATUS_NAMES.get(status, status)}")
+            if status not in (CLEARED, UPDATING):
+                raise TransferError(f"wake refused: the sleep has not finished (kv_cache_status is "
+                                    f"{STATUS_NAMES.get(status, status)}); call sleep({level}) again")
+            self._raise_if_failed()
+            deadline = time.monotonic() + timeout
+            self._restore_phase(deadline, "wake")
+            self._weights.restore_resident(level, deadline)
+            self.signals.sleep_level[0] = 0
+            self.signals.status = NORMAL
+
+    @property
+    def asleep(self) -> int:
+        """The level of the sleep under way or done, 0 when awake."""
+        return int(self.signals.sleep_level[0])
+
     # -- clear / restore (docs/design.md §6) ---------------------------------------------------------------
     def clear_caches(self, timeout: float = 60.0):
         """Release every rank's cache memory; returns once all of it is free (status CLEARED)."""
         with self._phase_lock:
             if self.signals.status == CLEARED:
                 return
-            if self._pending_reshard is not None:
+            if self._resharder.pending is not None:
                 raise TransferError("clear refused: a reshard is pending (restart_rank the failed rank, then "
                                     "reshard again)")
             self._raise_if_failed()
@@ -406,7 +555,7 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
             self._closed = True
             return
         deadline = time.monotonic() + timeout
-        self._close_caches(max(0.0, timeout - STOP_GRACE))
+        self._resharder.close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
         if getattr(self, "_io_thread", None) is not None:
             self._send_all(protocol.encode("stop"))
@@ -426,9 +575,8 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         if hasattr(self, "_context"):
             self._context.term()
         self._release_swap_spaces()
-        self._release_weight_regions()
-        if self._pending_reshard is not None:
-            self._drop_step_memory(self._pending_reshard)
+        self._weights.release_regions()
+        self._resharder.close()
         if self.barrier is not None:
             self.barrier.close()
         if self.signals is not None:
@@ -436,7 +584,135 @@ class SwapBackend(RankSupervision, TaskChannel, StoreTasks, ReshardPhase, Weight
         if hasattr(self, "socket_dir"):
             remove_socket_dir(self.socket_dir)
         remove_dead(suffix=self.suffix)      # what killed workers of this deployment could not unlink
-        self._close_store()
+        self._store_tasks.close()
         if self._reaper is not None:
             self._reaper.close()
 
+
+class _ReshardHost:
+    """The resharder's way into the backend (engine/resharder.py, ReshardHost): the ranks' state a step grows,
+    shrinks and retires is changed here, beside the code that defines it. A list the I/O thread reads is
+    replaced, never changed in length in place (the thread may be iterating it)."""
+
+    def __init__(self, backend: SwapBackend):
+        self._b = backend
+
+    # what the backend has now (a step changes the geometry)
+    spec = property(lambda self: self._b.spec)
+    tp_size = property(lambda self: self._b.tp_size)
+    device_ids = property(lambda self: self._b.device_ids)
+    device = property(lambda self: self._b.device)
+    suffix = property(lambda self: self._b.suffix)
+    signals = property(lambda self: self._b.signals)
+    barrier = property(lambda self: self._b.barrier)
+    allocator = property(lambda self: self._b.allocator)
+    weights = property(lambda self: self._b._weights)
+    running = property(lambda self: self._b.running)
+    failed_ranks = property(lambda self: self._b.failed_ranks)
+
+    # -- phases ----------------------------------------------------------------------------------
+    def drain(self, deadline):
+        self._b._drain(deadline)
+
+    def run_phase(self, phase, message, deadline):
+        self._b._run_phase(phase, message, deadline)
+
+    def wait_signals(self, condition, deadline, what, detail=None):
+        self._b._wait_signals(condition, deadline, what, detail)
+
+    def all_ready(self) -> bool:
+        return self._b._all_ready()
+
+    def expect_reports(self, phase):
+        """Collect the ranks' reports of `phase` from now on (before it is sent: a fast report is kept)."""
+        b = self._b
+        with b._phase_cond:
+            b._phase_acks[phase] = {}
+            b._copy_seconds.clear()
+
+    def collect_reports(self, phase, ranks, deadline) -> tuple[dict, dict]:
+        """Until every rank in `ranks` has reported `phase`, one of them has failed, or the deadline: the reports
+        ({rank: error or None}) and the ranks' copy seconds; stops collecting."""
+        b = self._b
+        with b._phase_cond:
+            acks = b._phase_acks[phase]
+            b._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in b._failed for r in ranks),
+                                   max(0.0, deadline - time.monotonic()))
+            got, copies = dict(acks), dict(b._copy_seconds)
+            b._phase_acks.pop(phase, None)
+        return got, copies
+
+    # -- the ranks' processes and pipes ------------------------------------------------------------
+    def spawn(self, rank, spec, tp, device_id, weights):
+        self._b._spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
+
+    def registered(self, rank) -> bool:
+        return self._b._registered[rank]
+
+    def pid(self, rank) -> int:
+        return self._b._procs[rank].pid
+
+    def send_to(self, rank, message) -> bool:
+        return self._b._send_to(rank, message)
+
+    def check_exit(self, rank) -> bool:
+        return self._b._check_exit(rank)
+
+    def take_out(self, rank):
+        """Rank's process, taken out of service so that supervision does not report its (planned) exit."""
+        b = self._b
+        proc, b._procs[rank] = b._procs[rank], None
+        b._failed.pop(rank, None)
+        b._attached[rank] = b._registered[rank] = False
+        return proc
+
+    def detach(self, ranks):
+        """These ranks attach their caches again before they are ready."""
+        for r in ranks:
+            self._b._attached[r] = False
+
+    # -- the ranks' lists and CPU tiers ------------------------------------------------------------
+    def add_ranks(self, tp):
+        """Room for ranks up to tp (a scale-out's new ones), none in service yet."""
+        b = self._b
+        grow = tp - len(b._procs)
+        if grow > 0:
+            b._procs, b._registered = b._procs + [None] * grow, b._registered + [False] * grow
+            b._attached, b._swap_segments = b._attached + [False] * grow, b._swap_segments + [None] * grow
+        b.signals.resize(tp)
+        with b._submit_lock:         # _spawn binds the new ranks' task sockets
+            b._task_pushes = b._task_pushes + [None] * (tp - len(b._task_pushes))
+
+    def create_cpu_tier(self, rank, spec):
+        b = self._b
+        if b._swap_segments[rank] is None:
+            b._swap_segments[rank] = SharedSegment.create(swap_space_name(b.suffix, rank), spec.cpu_cache_bytes,
+                                                          b.suffix)
+
+    def drop_rank(self, rank):
+        """A retired rank's task pipe and CPU tier go."""
+        b = self._b
+        with b._submit_lock:
+            push, b._task_pushes[rank] = b._task_pushes[rank], None
+            if push is not None:
+                push.close(0)
+        seg, b._swap_segments[rank] = b._swap_segments[rank], None
+        if seg is not None:
+            seg.close()
+
+    def keep_ranks(self, tp):
+        """Ranks below tp only (a commit's or a rollback's): a rank from tp on that still has a pipe or a CPU
+        tier (one a failed scale-out made before its rank started) loses it too."""
+        b = self._b
+        for r in range(tp, len(b._procs)):
+            b._procs[r] = None                  # retired: None already; supervision sees None
+            if (r < len(b._task_pushes) and b._task_pushes[r] is not None) or b._swap_segments[r] is not None:
+                self.drop_rank(r)
+        b._procs, b._registered = b._procs[:tp], b._registered[:tp]
+        b._attached, b._swap_segments = b._attached[:tp], b._swap_segments[:tp]
+        b._task_pushes = b._task_pushes[:tp]
+        b.signals.resize(tp)
+
+    def take_geometry(self, spec, tp, device_ids):
+        b = self._b
+        b.spec, b.tp_size, b.device_ids = spec, tp, device_ids

@@ -2,7 +2,9 @@
 watched (exit status and heartbeat), taken out of service with everything it owes failed, and restarted.
 
 A mixin of SwapBackend. The state it owns: `_procs`, `_incarnations`, `_failed`, `_registered`,
-`_attached` (all made in SwapBackend.__init__); it fails handles through the task channel's registry.
+`_attached` (all made in SwapBackend.__init__; a reshard resizes them through the backend's _ReshardHost);
+it fails handles through the task channel's registry, and restarts a rank of a pending reshard as the
+resharder's step says.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class RankSupervision:
     def restart_rank(self, rank: int, timeout: float = 30.0):
         """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a
         pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec)."""
-        step = self._pending_reshard
+        step = self._resharder.pending
         ranks = len(self._procs) if step is not None else self.tp_size
         if not 0 <= rank < ranks or self._procs[rank] is None and step is not None:
             raise ValueError(f"rank {rank} out of range for tp_size {self.tp_size}")

@@ -44,7 +44,7 @@ SCHEMAS = {
     "error": {"error": str},
     # messages numbered first..last never reached this rank: another process took them off its pipe
     "lost": {"rank": int, "first": int, "last": int},
-    # a reshard step (docs/design.md §9): body is the step's JSON (engine/reshard_phase.py), frames its block maps
+    # a reshard step (docs/design.md §9): body is the step's JSON (engine/resharder.py), frames its block maps
     "reshard": {"step": str, "body": str},
 }
 PHASES = ("attach", "clear", "restore", "reshard_prepare", "reshard_move", "reshard_commit", "reshard_abort")

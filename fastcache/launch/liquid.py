@@ -304,7 +304,7 @@ class CacheCheck:
 
 def blocks_at(backend, tp):
     """(GPU, CPU) blocks a rank holds at tp."""
-    cap = least(backend._capacities)
+    cap = least(backend._resharder.capacities)
     heads = backend.spec.num_kv_heads * backend.tp_size // tp
     return cap.main // heads, cap.cpu // heads
 

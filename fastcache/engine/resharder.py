@@ -1,6 +1,11 @@
-"""SwapBackend.reshard (docs/design.md §9): liquid scale-out and scale-in of a running deployment.
+"""The resharder behind SwapBackend.reshard (docs/design.md §9): liquid scale-out and scale-in of a running
+deployment.
 
-The step, as the engine drives it (the plan itself is in engine/reshard.py):
+A part of SwapBackend. It owns each rank's allocation, the step in progress or pending, the last report and
+the TieredCaches a step remaps; it reaches the ranks (their processes, pipes, CPU tiers and phases), which
+other parts own, only through the ReshardHost the backend gives it.
+
+The step, as the engine drives it (the plan itself is in reshard_plan.py):
 
 1. Validate everything (ValueError, nothing changed): tp, live blocks and whether they fit, the CPU tier's
    used blocks, the callbacks, shared memory for new ranks.
@@ -28,6 +33,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -35,10 +41,11 @@ from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
 from ..ipc.manifest import read_json_segment, read_manifest, write_json_segment
-from ..ipc.naming import device_memory_name, reshard_plan_name, reshard_staging_name, swap_space_name, weights_name
+from ..ipc.naming import device_memory_name, reshard_plan_name, reshard_staging_name, weights_name
 from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
 from ..ipc.shm import SHM_DIR, SegmentError, SharedSegment, check_shm_room
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
+from ..config import CacheSpec
 from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
 
 log = logging.getLogger("fastcache.engine")
@@ -78,107 +85,142 @@ class ReshardStep:
         return self.plan.new_tp
 
 
-class ReshardPhase:
-    """Mixed into SwapBackend."""
+class ReshardHost(Protocol):
+    """What the resharder needs of the deployment it reshards: its geometry, signals, barrier, allocator and
+    weight group, its phases, and the per-rank state (processes, task pipes, CPU tiers) that a step grows,
+    shrinks and retires, each changed by its owner."""
+    spec: CacheSpec
+    tp_size: int
+    device_ids: list
+    device: str
+    suffix: str
+    signals: object         # DeploymentSignals
+    barrier: object         # the phase barrier
+    allocator: object       # CpuBlockAllocator
+    weights: object         # WeightGroup
+    running: bool
+    failed_ranks: dict      # rank -> why it is out of service
 
-    def _init_reshard(self):
-        self._capacities = [Capacity.of(self.spec)] * self.tp_size     # each rank's allocation, head-blocks
+    def drain(self, deadline: float): ...
+    def run_phase(self, phase: str, message, deadline: float): ...
+    def wait_signals(self, condition: Callable[[], bool], deadline: float, what: str, detail=None): ...
+    def all_ready(self) -> bool: ...
+    def spawn(self, rank: int, spec: CacheSpec, tp: int, device_id: int, weights): ...
+    def registered(self, rank: int) -> bool: ...
+    def pid(self, rank: int) -> int: ...
+    def send_to(self, rank: int, message) -> bool: ...
+    def check_exit(self, rank: int) -> bool: ...
+    def expect_reports(self, phase: str): ...
+    def collect_reports(self, phase: str, ranks, deadline: float) -> tuple[dict, dict]: ...
+    def add_ranks(self, tp: int): ...
+    def create_cpu_tier(self, rank: int, spec: CacheSpec): ...
+    def keep_ranks(self, tp: int): ...
+    def detach(self, ranks): ...
+    def take_out(self, rank: int): ...
+    def drop_rank(self, rank: int): ...
+    def take_geometry(self, spec: CacheSpec, tp: int, device_ids: list): ...
+
+
+class Resharder:
+    """Reshards one deployment, reached through `host` (a ReshardHost), and keeps what outlives a step: each
+    rank's allocation, the step left pending by a failure, the report of the last one, and the TieredCaches
+    a step remaps. The caller serialises it with the deployment's other phases (SwapBackend's phase lock)."""
+
+    def __init__(self, host: ReshardHost):
+        self._host = host
+        spec, tp, layout = host.spec, host.tp_size, host.weights.layout
+        self.capacities = [Capacity.of(spec)] * tp      # each rank's allocation, head-blocks
         # each rank's allocation per weight tensor, bytes: a kept rank keeps it, so a later step may fit in it
-        self._weight_capacities = [slice_bytes(self.weight_layout)] * self.tp_size \
-            if self.weight_layout is not None else None
-        self._reshard_seq = self._reshard_attempts = 0
-        self._pending_reshard: ReshardStep | None = None
-        self._tiered_caches = weakref.WeakSet()      # TieredCaches over this backend: remapped by a reshard
-        self.last_reshard = None                     # the report of the last completed reshard
-        self.resharding = None                       # the step in progress (start_workers may read it)
+        self._weight_capacities = [slice_bytes(layout)] * tp if layout is not None else None
+        self._seq = self._attempts = 0
+        self.pending: ReshardStep | None = None     # a step a failure left unfinished: the same reshard resumes it
+        self._caches = weakref.WeakSet()            # TieredCaches over the deployment: remapped by a reshard
+        self.last_reshard = None                    # the report of the last completed reshard
+        self.resharding = None                      # the step in progress (start_workers may read it)
 
     @property
     def rank_capacity(self) -> int:
         """The most ranks this deployment can reshard to: its total KV heads, at most 31."""
-        return min(self.spec.num_kv_heads * self.tp_size, MAX_RANKS)
+        return min(self._host.spec.num_kv_heads * self._host.tp_size, MAX_RANKS)
 
     # -- the API -----------------------------------------------------------------------------------
     def reshard(self, tp_size, live_blocks=None, start_workers=None, stop_workers=None, timeout: float = 120.0,
                 *, device_ids=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
-        """Move every live block's KV head slices to the ranks that own them under tp_size (docs/design.md §9).
-
-        Returns (new per-rank CacheSpec, block_map {old GPU id: new GPU id} of the live blocks). The CPU
-        tier's used blocks survive too: `last_reshard["cpu_block_map"]` says where they went (the allocator
-        and every TieredCache over this backend are remapped already). `start_workers(ranks, spec)` must start
-        the workers of ranks that appear (for tp `backend.resharding.to_tp`), `stop_workers(ranks)` stop those
-        that go. `device_ids`: the new ranks' devices (default: kept ranks keep theirs, new rank r gets r).
-        ValueError for a bad request, before anything changes; TransferError if a rank fails (see the
-        module docstring for what is left in service then)."""
-        with self._phase_lock:
-            step = self._pending_reshard
-            if step is not None:
-                if isinstance(tp_size, bool) or tp_size != step.to_tp:
-                    raise TransferError(f"a reshard from tp {step.from_tp} to {step.to_tp} is pending after a failure: "
-                                        f"restart_rank the failed rank, then call reshard({step.to_tp}) again")
-                if start_workers is not None:
-                    step.start_workers = start_workers
-                if stop_workers is not None:
-                    step.stop_workers = stop_workers
-                log.info("resuming the reshard from tp %d to %d", step.from_tp, step.to_tp)
-            else:
-                step = self._plan_reshard(tp_size, live_blocks, start_workers, stop_workers, device_ids,
-                                          staging_bytes)
-                if step is None:
-                    identity = {int(b): int(b) for b in self._live_gpu(live_blocks)}
-                    return self.spec, identity
-            return self._run_reshard(step, timeout)
+        """SwapBackend.reshard (its docstring says what it takes and returns): a pending step resumed, or a new
+        one planned and run."""
+        step = self.pending
+        if step is not None:
+            if isinstance(tp_size, bool) or tp_size != step.to_tp:
+                raise TransferError(f"a reshard from tp {step.from_tp} to {step.to_tp} is pending after a failure: "
+                                    f"restart_rank the failed rank, then call reshard({step.to_tp}) again")
+            if start_workers is not None:
+                step.start_workers = start_workers
+            if stop_workers is not None:
+                step.stop_workers = stop_workers
+            log.info("resuming the reshard from tp %d to %d", step.from_tp, step.to_tp)
+        else:
+            step = self._plan_reshard(tp_size, live_blocks, start_workers, stop_workers, device_ids,
+                                      staging_bytes)
+            if step is None:
+                identity = {int(b): int(b) for b in self._live_gpu(live_blocks)}
+                return self._host.spec, identity
+        return self._run_reshard(step, timeout)
 
     # -- planning (ValueError, nothing changed) ----------------------------------------------------
     def _live_gpu(self, live_blocks):
-        return np.arange(self.spec.num_gpu_blocks) if live_blocks is None else live_blocks
+        return np.arange(self._host.spec.num_gpu_blocks) if live_blocks is None else live_blocks
 
     def _plan_reshard(self, tp_size, live_blocks, start_workers, stop_workers, device_ids, staging_bytes):
-        if not self._started or self._closed:
+        host = self._host
+        if not host.running:
             raise TransferError("the backend is not running")
-        tp = check_tp(self.spec, self.tp_size, tp_size)
-        if self.weight_layout is not None and tp != self.tp_size:
+        old_tp, layout = host.tp_size, host.weights.layout
+        tp = check_tp(host.spec, old_tp, tp_size)
+        if layout is not None and tp != old_tp:
             self._check_weights_movable()
-        if self.signals.status != NORMAL:
-            raise TransferError(f"reshard refused: kv_cache_status is "
-                                f"{STATUS_NAMES.get(self.signals.status, self.signals.status)} (it needs NORMAL)")
+        status = host.signals.status
+        if status != NORMAL:
+            raise TransferError(f"reshard refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
+                                f"(it needs NORMAL)")
         spare, quota_free = self._quota_snapshot()
-        cpu_live = sorted(self.allocator.used_ids() - spare)
-        plan = Plan(self.spec, self.tp_size, tp, self._capacities[:self.tp_size], self._live_gpu(live_blocks),
-                    cpu_live, staging_bytes, weights=self.weight_layout, weight_capacities=self._weight_capacities)
-        if tp == self.tp_size:
+        cpu_live = sorted(host.allocator.used_ids() - spare)
+        plan = Plan(host.spec, old_tp, tp, self.capacities[:old_tp], self._live_gpu(live_blocks), cpu_live,
+                    staging_bytes, weights=layout, weight_capacities=self._weight_capacities)
+        if tp == old_tp:
             return None
         if plan.fresh and not callable(start_workers):
             raise ValueError(f"start_workers(ranks, spec) is needed: ranks {plan.fresh} appear at tp {tp}")
         if plan.retired and not callable(stop_workers):
             raise ValueError(f"stop_workers(ranks) is needed: ranks {plan.retired} go at tp {tp}")
         if device_ids is None:
-            device_ids = self.device_ids[:tp] + list(range(self.tp_size, tp))
+            device_ids = host.device_ids[:tp] + list(range(old_tp, tp))
         device_ids = [int(d) for d in device_ids]
         if len(device_ids) != tp or any(d < 0 for d in device_ids):
             raise ValueError(f"device_ids must list {tp} devices (>= 0), got {device_ids}")
-        if device_ids[:min(tp, self.tp_size)] != self.device_ids[:min(tp, self.tp_size)]:
+        if device_ids[:min(tp, old_tp)] != host.device_ids[:min(tp, old_tp)]:
             raise ValueError("a kept rank keeps its device: device_ids may only choose the new ranks' devices")
         self._check_reshard_fits(plan)
-        self._reshard_seq += 1
-        return ReshardStep(plan, self._reshard_seq, device_ids, start_workers, stop_workers, quota_free=quota_free)
+        self._seq += 1
+        return ReshardStep(plan, self._seq, device_ids, start_workers, stop_workers, quota_free=quota_free)
 
     def _check_weights_movable(self):
         """The plan moves resident weights of an awake deployment only: an offloaded layer's bytes live in the
         CPU region (and a ring), which the step does not move, so it is refused (ValueError, nothing changed)."""
-        layout = self.weight_layout
+        layout = self._host.weights.layout
         if layout.resident_layers != layout.num_layers:
             raise ValueError(f"reshard refused: {layout.num_layers - layout.resident_layers} of {layout.num_layers} "
                              f"weight layers are offloaded (streamed through a ring); a reshard moves resident "
                              f"weights only: place every layer on the device (docs/design.md §9)")
-        if int(self.signals.sleep_level[0]):
-            raise ValueError(f"reshard refused: the deployment sleeps (level {int(self.signals.sleep_level[0])}); "
-                             f"its weights are in the CPU region, which a reshard does not move: wake() first")
+        asleep = int(self._host.signals.sleep_level[0])
+        if asleep:
+            raise ValueError(f"reshard refused: the deployment sleeps (level {asleep}); its weights are in the CPU "
+                             f"region, which a reshard does not move: wake() first")
 
     def _check_reshard_fits(self, plan):
         """Shared memory for the new ranks' CPU tiers (and on sim their caches) and the CPU staging buffers."""
         new = plan.new_spec
         need = len(plan.fresh) * new.cpu_cache_bytes
-        if self.device == "sim":
+        if self._host.device == "sim":
             need += len(plan.fresh) * new.gpu_cache_bytes
             need += sum(plan.staging_bytes_for(r, "gpu") for r in plan.kept)
             if plan.new_weights is not None:
@@ -186,7 +228,7 @@ class ReshardPhase:
         if plan.new_weights is not None:        # the fresh ranks' CPU weight regions
             need += len(plan.fresh) * plan.new_weights.cpu_cache_bytes
         need += sum(plan.staging_bytes_for(r, "cpu") for r in plan.kept)
-        check_shm_room(need, f"the reshard (new ranks' CPU tiers{' and caches' if self.device == 'sim' else ''}, "
+        check_shm_room(need, f"the reshard (new ranks' CPU tiers{' and caches' if self._host.device == 'sim' else ''}, "
                              f"staging)")
 
     # -- the step ----------------------------------------------------------------------------------
@@ -197,17 +239,17 @@ class ReshardPhase:
         self.resharding = step
         plan = step.plan
         try:
-            self.signals.status = RESHARDING           # refuses new swaps from here on
-            self.allocator.freeze("a reshard is in progress")
+            self._host.signals.status = RESHARDING     # refuses new swaps from here on
+            self._host.allocator.freeze("a reshard is in progress")
             try:
                 self._wait_caches_quiet(deadline)
-                self._drain(deadline)
-                if step is not self._pending_reshard:
+                self._host.drain(deadline)
+                if step is not self.pending:
                     self._replan(step)                 # what the CPU tier holds may have changed meanwhile
             except Exception:
-                if self._pending_reshard is None:
-                    self.allocator.thaw()
-                    self.signals.status = NORMAL
+                if self.pending is None:
+                    self._host.allocator.thaw()
+                    self._host.signals.status = NORMAL
                 raise
             if not step.destructive:
                 try:
@@ -216,10 +258,10 @@ class ReshardPhase:
                     step.times["prepared"] = time.perf_counter() - began
                     self._reshard_moves(step, deadline, stop_before_destructive=True)
                 except Exception as exc:
-                    self._pending_reshard = None
+                    self.pending = None
                     problems = self._reshard_rollback(step, deadline, exc)
-                    if self._pending_reshard is None:
-                        self.allocator.thaw()
+                    if self.pending is None:
+                        self._host.allocator.thaw()
                     if problems:
                         raise TransferError(f"{exc}; the rollback to tp {plan.old_tp} went on to its end, but "
                                             f"{'; '.join(problems)}") from exc
@@ -228,28 +270,28 @@ class ReshardPhase:
             try:
                 self._reshard_moves(step, deadline)
             except Exception:
-                self._pending_reshard = step
+                self.pending = step
                 raise
             step.times["move"] = step.times.get("move", 0.0) + time.perf_counter() - moving
             try:
                 self._reshard_commit(step, deadline)
             except Exception:
-                self._pending_reshard = step
+                self.pending = step
                 raise
         finally:
             self.resharding = None
-        self._pending_reshard = None
+        self.pending = None
         report = self._reshard_report(step, time.perf_counter() - began)
         self.last_reshard = report
-        self.allocator.thaw()
-        self.signals.status = NORMAL
+        self._host.allocator.thaw()
+        self._host.signals.status = NORMAL
         log.info("resharded tp %d -> %d: %s", step.from_tp, step.to_tp, report)
         return plan.new_spec, plan.gpu_map
 
     def _replan(self, step):
         """Plan again from the CPU tier's blocks as they are now that nothing can allocate or swap."""
         spare_now, quota_free = self._quota_snapshot()
-        cpu_live = sorted(self.allocator.used_ids() - spare_now)
+        cpu_live = sorted(self._host.allocator.used_ids() - spare_now)
         if np.array_equal(cpu_live, step.plan.cpu_old):
             step.quota_free = quota_free
             return
@@ -262,25 +304,30 @@ class ReshardPhase:
 
     def register_cache(self, cache):
         """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
-        self._tiered_caches.add(cache)
+        self._caches.add(cache)
 
-    def _close_caches(self, timeout: float = 30.0):
+    def close_caches(self, timeout: float = 30.0):
         """Before the transfer managers stop: each cache's puts in flight land (within timeout seconds, all
         caches together) or are reported."""
         deadline = time.monotonic() + timeout
-        for cache in list(self._tiered_caches):
+        for cache in list(self._caches):
             cache.close(max(0.0, deadline - time.monotonic()))
+
+    def close(self):
+        """The deployment closes: a pending step's staging memory goes."""
+        if self.pending is not None:
+            self._drop_step_memory(self.pending)
 
     def _wait_caches_quiet(self, deadline):
         """A TieredCache call past its checks may hold CPU block ids it has yet to submit (its submission is
         refused now): the blocks are counted and renamed only once no such call is left."""
-        for cache in list(self._tiered_caches):
+        for cache in list(self._caches):
             if not cache.wait_quiet(max(0.0, deadline - time.monotonic())):
                 raise TransferError("reshard refused: a TieredCache call did not finish in time")
 
     def _quota_snapshot(self):
         quota_free = {}
-        for cache in list(self._tiered_caches):
+        for cache in list(self._caches):
             free = cache.free_quota()
             if free is not None:
                 quota_free[cache] = free
@@ -288,7 +335,7 @@ class ReshardPhase:
 
     def _raise_if_failed_for(self, step):
         """Every rank the step needs must be in service (restart_rank a failed one first)."""
-        failed = {r: why for r, why in self._failed.items()}
+        failed = self._host.failed_ranks
         if failed:
             raise TransferError("reshard refused: " + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
                                 + " (restart_rank it first)")
@@ -307,10 +354,10 @@ class ReshardPhase:
 
     def _set_stage(self, step, stage):
         """Publish a stage to the workers (after barrier.reset(): they act once per attempt)."""
-        state = self.signals.reshard_state
+        state = self._host.signals.reshard_state
         state[0], state[1], state[2], state[3] = step.seq, stage, step.from_tp, step.to_tp
-        self._reshard_attempts += 1
-        state[4] = self._reshard_attempts
+        self._attempts += 1
+        state[4] = self._attempts
 
     def _reshard_prepare(self, step, deadline):
         plan = step.plan
@@ -321,65 +368,54 @@ class ReshardPhase:
             if plan.new_weights is not None:    # workers re-view their weights and allocate what outgrows its own
                 described["new_weights"] = plan.new_weights.to_json()
                 described["weight_allocations"] = [[r, i, n] for (r, i), n in plan.weight_allocations().items()]
-            step.plan_segment = write_json_segment(reshard_plan_name(self.suffix), described, self.suffix)
+            step.plan_segment = write_json_segment(reshard_plan_name(self._host.suffix), described, self._host.suffix)
         for r in plan.kept:
             need = plan.staging_bytes_for(r, "cpu")
             if need and r not in step.cpu_staging:
-                step.cpu_staging[r] = SharedSegment.create(reshard_staging_name(self.suffix, r, "cpu"), need,
-                                                           self.suffix)
-        self.barrier.reset()
+                step.cpu_staging[r] = SharedSegment.create(reshard_staging_name(self._host.suffix, r, "cpu"), need,
+                                                           self._host.suffix)
+        self._host.barrier.reset()
         self._set_stage(step, PREPARE)
-        self._run_phase("reshard_prepare", protocol.encode_reshard("prepare", self._body(step)), deadline)
-
-    def _grow_lists(self, size):
-        for name, fill in (("_procs", None), ("_registered", False), ("_attached", False), ("_swap_segments", None)):
-            current = getattr(self, name)
-            if len(current) < size:
-                setattr(self, name, current + [fill] * (size - len(current)))
+        self._host.run_phase("reshard_prepare", protocol.encode_reshard("prepare", self._body(step)), deadline)
 
     def _reshard_start_fresh(self, step, deadline):
         plan = step.plan
         if not plan.fresh or step.fresh_started:
             return
         new = plan.new_spec
-        self._grow_lists(plan.new_tp)
-        self.signals.resize(plan.new_tp)
-        with self._submit_lock:         # _spawn binds the new ranks' task sockets
-            self._task_pushes = self._task_pushes + [None] * (plan.new_tp - len(self._task_pushes))
+        self._host.add_ranks(plan.new_tp)
         for r in plan.fresh:
             for name in ("cache_ready", "swap_space_ready", "worker_heartbeat", "transfer_heartbeat"):
-                getattr(self.signals, name)[r] = 0
-            self.signals.reshard_progress[r] = 0
-            if self._swap_segments[r] is None:
-                self._swap_segments[r] = SharedSegment.create(swap_space_name(self.suffix, r), new.cpu_cache_bytes,
-                                                              self.suffix)
+                getattr(self._host.signals, name)[r] = 0
+            self._host.signals.reshard_progress[r] = 0
+            self._host.create_cpu_tier(r, new)
             if plan.new_weights is not None:
-                self.signals.weights_ready[r] = 0
+                self._host.signals.weights_ready[r] = 0
         if plan.new_weights is not None:
-            self._resize_weight_regions(plan.new_tp, plan.new_weights, plan.fresh)
-        cap = self.barrier.capacity
-        self.barrier.set_active(self.barrier.active + [transfer_party(r) for r in plan.fresh]
+            self._host.weights.resize_regions(plan.new_tp, plan.new_weights, plan.fresh)
+        cap = self._host.barrier.capacity
+        self._host.barrier.set_active(self._host.barrier.active + [transfer_party(r) for r in plan.fresh]
                                 + [worker_party(cap, r) for r in plan.fresh])
         step.fresh_started = True
         for r in plan.fresh:
-            self._spawn(r, spec=new, tp=plan.new_tp, device_id=step.device_ids[r], weights=plan.new_weights)
+            self._host.spawn(r, spec=new, tp=plan.new_tp, device_id=step.device_ids[r], weights=plan.new_weights)
 
         def worker_ready(r):
-            return self.signals.cache_ready[r] == 1 and (plan.new_weights is None or
-                                                         self.signals.weights_ready[r, 0] == 1)
+            return self._host.signals.cache_ready[r] == 1 and (plan.new_weights is None or
+                                                         self._host.signals.weights_ready[r, 0] == 1)
 
         def ready(r):
-            return self._registered[r] and worker_ready(r)
+            return self._host.registered(r) and worker_ready(r)
 
         def missing():
             return "; ".join(f"rank {r}: worker {'ready' if worker_ready(r) else 'not ready'}, "
-                             f"transfer manager {'registered' if self._registered[r] else 'not connected'}"
+                             f"transfer manager {'registered' if self._host.registered(r) else 'not connected'}"
                              for r in plan.fresh if not ready(r)) or "every new rank ready"
         try:
             call_bounded(step.start_workers, (list(plan.fresh), new), deadline, f"start_workers({plan.fresh})")
         except TransferError as exc:
             raise TransferError(f"{exc} ({missing()})") from exc.__cause__
-        self._wait_signals(lambda: all(ready(r) for r in plan.fresh), deadline, f"start of ranks {plan.fresh}",
+        self._host.wait_signals(lambda: all(ready(r) for r in plan.fresh), deadline, f"start of ranks {plan.fresh}",
                            detail=missing)
 
     def _reshard_moves(self, step, deadline, stop_before_destructive=False):
@@ -404,23 +440,19 @@ class ReshardPhase:
         """Send one wave's moves and wait for every rank of it; TransferError naming the ranks that failed."""
         if not ranks:
             return
+        host = self._host
         message = protocol.encode_reshard("move", self._body(step, role=role), maps)
-        with self._phase_cond:
-            acks = self._phase_acks["reshard_move"] = {}
-            self._copy_seconds.clear()
+        host.expect_reports("reshard_move")
         began = time.perf_counter()
         for r in ranks:
-            if r in self._failed:
-                raise TransferError(f"reshard {role} failed: rank {r}: {self._failed[r]}")
-            if not self._send_to(r, message):
-                self._check_exit(r)
+            failed = host.failed_ranks
+            if r in failed:
+                raise TransferError(f"reshard {role} failed: rank {r}: {failed[r]}")
+            if not host.send_to(r, message):
+                host.check_exit(r)
                 raise TransferError(f"reshard {role} failed: rank {r}: "
-                                    f"{self._failed.get(r, 'transfer manager not connected')}")
-        with self._phase_cond:
-            self._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in self._failed for r in ranks),
-                                      max(0.0, deadline - time.monotonic()))
-            got, copies = dict(acks), dict(self._copy_seconds)
-            self._phase_acks.pop("reshard_move", None)
+                                    f"{host.failed_ranks.get(r, 'transfer manager not connected')}")
+        got, copies = host.collect_reports("reshard_move", ranks, deadline)
         done = {r for r, e in got.items() if e is None and r in ranks}
         if role == "program":
             step.wave_ranks_done |= done
@@ -430,10 +462,11 @@ class ReshardPhase:
         step.times.setdefault("copies", []).append(max((c for c, _ in times), default=0.0))
         step.times.setdefault("kv_copies", []).append(max((c - w for c, w in times), default=0.0))
         step.times.setdefault("weight_copies", []).append(max((w for _, w in times), default=0.0))
-        problems = [f"rank {r}: {self._failed[r]}" for r in ranks if r in self._failed]
+        failed = host.failed_ranks
+        problems = [f"rank {r}: {failed[r]}" for r in ranks if r in failed]
         problems += [f"rank {r}: {e}" for r, e in sorted(got.items()) if e is not None and r in ranks]
-        late = sorted(set(ranks) - set(got) - set(self._failed))
-        problems += [f"rank {r}: its transfer manager (pid {self._procs[r].pid}) did not finish within the "
+        late = sorted(set(ranks) - set(got) - set(failed))
+        problems += [f"rank {r}: its transfer manager (pid {host.pid(r)}) did not finish within the "
                      f"timeout (stalled? restart_rank({r}))" for r in late]
         if problems:
             raise TransferError(f"reshard {role} failed: " + "; ".join(problems))
@@ -455,34 +488,32 @@ class ReshardPhase:
                 step.fresh_started = False
             m = plan.old_tp
             if plan.new_weights is not None:
-                self._resize_weight_regions(m, self.weight_layout, [])
-            self._procs, self._registered = self._procs[:m], self._registered[:m]
-            self._attached, self._swap_segments = self._attached[:m], self._swap_segments[:m]
-            self._task_pushes = self._task_pushes[:m]
-            self.signals.resize(plan.old_tp)
-            self.barrier.set_active([ENGINE_PARTY] + [transfer_party(r) for r in range(plan.old_tp)]
-                                    + [worker_party(self.barrier.capacity, r) for r in range(plan.old_tp)])
-            for r in range(plan.old_tp):
-                self._attached[r] = False
-            if not self._failed:
+                self._host.weights.resize_regions(m, self._host.weights.layout, [])
+            self._host.keep_ranks(m)
+            barrier = self._host.barrier
+            barrier.set_active([ENGINE_PARTY] + [transfer_party(r) for r in range(m)]
+                               + [worker_party(barrier.capacity, r) for r in range(m)])
+            self._host.detach(range(m))
+            if not self._host.failed_ranks:
                 # a broken PREPARE was settled by its phase (every party reached it, every report came); the
                 # abort is published only after the reset: a worker that saw ABORT first would spend its one
                 # try at it in the broken generation
-                self.barrier.reset()
+                self._host.barrier.reset()
                 self._set_stage(step, ABORT)
-                self._run_phase("reshard_abort", protocol.encode_reshard("abort", self._body(step)),
-                                max(deadline, time.monotonic() + 10))
-                self._wait_signals(self._all_ready, max(deadline, time.monotonic() + 10), "reshard rollback")
-                self.signals.status = NORMAL
+                self._host.run_phase("reshard_abort", protocol.encode_reshard("abort", self._body(step)),
+                                     max(deadline, time.monotonic() + 10))
+                self._host.wait_signals(self._host.all_ready, max(deadline, time.monotonic() + 10),
+                                        "reshard rollback")
+                self._host.signals.status = NORMAL
             else:       # a dead rank: restart_rank it, then restore_caches-like retry: reshard again
                 self._set_stage(step, ABORT)
-                self._pending_reshard = step
+                self.pending = step
         except Exception as exc:
             log.error("rollback of the reshard to tp %d did not complete: %s", plan.new_tp, exc)
             problems.append(f"the rollback did not complete: {exc}")
-            self._pending_reshard = step
+            self.pending = step
         finally:
-            if self._pending_reshard is None:
+            if self.pending is None:
                 self._drop_step_memory(step)
         return problems
 
@@ -492,12 +523,10 @@ class ReshardPhase:
         the deadline is reported (TransferError) once everything else is done."""
         procs = []
         for r in ranks:
-            proc, self._procs[r] = self._procs[r], None      # supervision must not report a planned exit
-            self._failed.pop(r, None)
-            self._attached[r] = self._registered[r] = False
+            proc = self._host.take_out(r)       # supervision must not report a planned exit
             if proc is not None:
                 procs.append(proc)
-                self._send_to(r, protocol.encode("stop"))
+                self._host.send_to(r, protocol.encode("stop"))
         end = time.monotonic() + 5
         for proc in procs:
             try:
@@ -512,16 +541,10 @@ class ReshardPhase:
             except TransferError as exc:
                 failed = exc
         for r in ranks:
-            with self._submit_lock:
-                push, self._task_pushes[r] = self._task_pushes[r], None
-                if push is not None:
-                    push.close(0)
-            seg, self._swap_segments[r] = self._swap_segments[r], None
-            if seg is not None:
-                seg.close()
-        cap = self.barrier.capacity
+            self._host.drop_rank(r)
+        cap = self._host.barrier.capacity
         gone = {transfer_party(r) for r in ranks} | {worker_party(cap, r) for r in ranks}
-        self.barrier.set_active([p for p in self.barrier.active if p not in gone])
+        self._host.barrier.set_active([p for p in self._host.barrier.active if p not in gone])
         if failed is not None:
             raise failed
 
@@ -534,34 +557,26 @@ class ReshardPhase:
         if not step.committed_state:
             self._take_new_geometry(step)
             step.committed_state = True
-        for r in range(plan.new_tp):
-            self._attached[r] = False
-        self.barrier.reset()
+        self._host.detach(range(plan.new_tp))
+        self._host.barrier.reset()
         self._set_stage(step, COMMIT)
-        self._run_phase("reshard_commit", protocol.encode_reshard("commit", self._body(step)), deadline)
-        self._wait_signals(self._all_ready, deadline, "reshard commit")
+        self._host.run_phase("reshard_commit", protocol.encode_reshard("commit", self._body(step)), deadline)
+        self._host.wait_signals(self._host.all_ready, deadline, "reshard commit")
         self._drop_step_memory(step)
 
     def _take_new_geometry(self, step):
         plan = step.plan
         n = plan.new_tp
-        new_caps = [self._capacities[r] for r in plan.kept] + [Capacity.of(plan.new_spec)] * len(plan.fresh)
-        self.spec, self.tp_size, self.device_ids = plan.new_spec, n, list(step.device_ids)
-        self._capacities = new_caps
+        self.capacities = [self.capacities[r] for r in plan.kept] + [Capacity.of(plan.new_spec)] * len(plan.fresh)
+        self._host.take_geometry(plan.new_spec, n, list(step.device_ids))
         if plan.new_weights is not None:
             self._take_new_weights(plan)
-        for r in range(n, len(self._procs)):        # retired: None already; supervision sees None
-            self._procs[r] = None
-        # replaced, never shrunk in place: the I/O thread may be iterating the old lists
-        self._procs, self._registered = self._procs[:n], self._registered[:n]
-        self._attached, self._swap_segments = self._attached[:n], self._swap_segments[:n]
-        self._task_pushes = self._task_pushes[:n]
-        self.signals.resize(n)
+        self._host.keep_ranks(n)
         cpu_map = plan.cpu_map
-        self.allocator.remap(cpu_map, plan.new_spec.num_cpu_blocks)
-        self.allocator.thaw()
+        self._host.allocator.remap(cpu_map, plan.new_spec.num_cpu_blocks)
+        self._host.allocator.thaw()
         for cache, free in step.quota_free.items():
-            cache.remap_blocks(cpu_map, free, self.allocator)
+            cache.remap_blocks(cpu_map, free, self._host.allocator)
 
     def _take_new_weights(self, plan):
         """The weights' new layout and allocations; every rank's CPU region in the new slice size (a region's
@@ -570,8 +585,7 @@ class ReshardPhase:
         fresh = slice_bytes(plan.new_weights)
         self._weight_capacities = [[moved.get((r, i), cap) for i, cap in enumerate(self._weight_capacities[r])]
                                    for r in plan.kept] + [fresh] * len(plan.fresh)
-        self.weight_layout = plan.new_weights
-        self._resize_weight_regions(plan.new_tp, plan.new_weights, plan.kept)
+        self._host.weights.take_layout(plan.new_weights, plan.new_tp, plan.kept)
 
     def _drop_step_memory(self, step):
         for seg in step.cpu_staging.values():
@@ -624,11 +638,11 @@ class ReshardPhase:
         """Rank's device memory after the step: its GPU blocks, and what its worker reported at COMMIT (cuda: the
         driver's free and total bytes, its framework allocator's allocated, reserved and fragmented bytes), or on
         sim what its shared-memory segments show (_sim_device_memory)."""
-        out = {"rank": rank, "gpu_blocks": self.spec.num_gpu_blocks}
-        if self.device == "sim":
+        out = {"rank": rank, "gpu_blocks": self._host.spec.num_gpu_blocks}
+        if self._host.device == "sim":
             out.update(self._sim_device_memory(rank))
         try:
-            out.update(read_json_segment(device_memory_name(self.suffix, rank), self.suffix))
+            out.update(read_json_segment(device_memory_name(self._host.suffix, rank), self._host.suffix))
         except (SegmentError, ValueError):
             pass        # the worker's device reports nothing of its own (sim), or could not say
         return out
@@ -640,16 +654,16 @@ class ReshardPhase:
         a scale-out); fragmented = allocated - reserved (bytes no allocation covers: a weight tensor's old place
         after it moved to a new allocation, alignment, segment headers)."""
         try:
-            cache = read_manifest(self.suffix, rank)
-            weights = read_json_segment(weights_name(self.suffix, rank, "exports"), self.suffix) \
-                if self.weight_layout is not None else []
+            cache = read_manifest(self._host.suffix, rank)
+            weights = read_json_segment(weights_name(self._host.suffix, rank, "exports"), self._host.suffix) \
+                if self._host.weights.layout is not None else []
         except (SegmentError, ValueError):
             return {}
         sizes = {e["segment"]: os.stat(os.path.join(SHM_DIR, e["segment"].lstrip("/"))).st_size
                  for e in cache + weights if "segment" in e}
         kv_arenas = {e["segment"] for e in cache if "segment" in e}
         reserved = sum(sizes[s] for s in kv_arenas) + (sum(self._weight_capacities[rank]) if weights else 0)
-        in_use = self.spec.gpu_cache_bytes + (self.weight_layout.gpu_cache_bytes if weights else 0)
+        in_use = self._host.spec.gpu_cache_bytes + (self._host.weights.layout.gpu_cache_bytes if weights else 0)
         allocated = sum(sizes.values())
         return {"allocated_bytes": allocated, "reserved_bytes": reserved, "in_use_bytes": in_use,
                 "free_bytes": reserved - in_use, "fragmented_bytes": allocated - reserved}
