@@ -256,6 +256,18 @@ def test_workers_tensors_become_views_of_the_new_shape():
         assert again == new and backend.status == NORMAL
 
 
+def test_spec_at_tells_each_ranks_geometry_before_the_step_and_the_step_gives_it():
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        want = {tp: backend.spec_at(tp) for tp in (1, 2, 4)}
+        assert want[1] == spec and (want[2].num_kv_heads, want[2].num_gpu_blocks, want[2].num_cpu_blocks) == (2, 32, 16)
+        with pytest.raises(ValueError, match="divide"):
+            backend.spec_at(3)
+        new, _ = backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+        assert new == want[4] and backend.spec_at(4) == new
+        assert backend.spec_at(1) == spec       # the memory each rank keeps brings tp=1 back to the same counts
+
+
 def test_bad_requests_are_refused_before_anything_changes():
     spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=2)
     rng = np.random.default_rng(3)

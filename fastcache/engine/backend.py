@@ -348,6 +348,11 @@ class SwapBackend(RankSupervision, TaskChannel):
         """The most ranks this deployment can reshard to: its total KV heads, at most 31."""
         return self._resharder.rank_capacity
 
+    def spec_at(self, tp_size: int) -> CacheSpec:
+        """Each rank's CacheSpec after reshard(tp_size) from the current layout: its heads, and the GPU, draft and
+        CPU blocks its memory holds then (docs/design.md §9); ValueError for a tp it cannot reach."""
+        return self._resharder.spec_at(tp_size)
+
     def register_cache(self, cache):
         """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
         self._resharder.register_cache(cache)

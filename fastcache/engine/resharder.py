@@ -44,9 +44,9 @@ from ..ipc.manifest import read_json_segment, read_manifest, write_json_segment
 from ..ipc.naming import device_memory_name, reshard_plan_name, reshard_staging_name, weights_name
 from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
 from ..ipc.shm import SHM_DIR, SegmentError, SharedSegment, check_shm_room
-from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES
+from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES, publish_stage
 from ..config import CacheSpec
-from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp
+from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp, least, resharded_spec
 
 log = logging.getLogger("fastcache.engine")
 
@@ -142,6 +142,12 @@ class Resharder:
     def rank_capacity(self) -> int:
         """The most ranks this deployment can reshard to: its total KV heads, at most 31."""
         return min(self._host.spec.num_kv_heads * self._host.tp_size, MAX_RANKS)
+
+    def spec_at(self, tp: int):
+        """Each rank's CacheSpec after a reshard to tp from here (ValueError if tp is not one it can reach)."""
+        host = self._host
+        tp = check_tp(host.spec, host.tp_size, tp)
+        return resharded_spec(host.spec, host.tp_size, tp, least(self.capacities[:host.tp_size]))
 
     # -- the API -----------------------------------------------------------------------------------
     def reshard(self, tp_size, live_blocks=None, start_workers=None, stop_workers=None, timeout: float = 120.0,
@@ -354,10 +360,8 @@ class Resharder:
 
     def _set_stage(self, step, stage):
         """Publish a stage to the workers (after barrier.reset(): they act once per attempt)."""
-        state = self._host.signals.reshard_state
-        state[0], state[1], state[2], state[3] = step.seq, stage, step.from_tp, step.to_tp
         self._attempts += 1
-        state[4] = self._attempts
+        publish_stage(self._host.signals.reshard_state, step.seq, stage, step.from_tp, step.to_tp, self._attempts)
 
     def _reshard_prepare(self, step, deadline):
         plan = step.plan

@@ -12,6 +12,32 @@ STATUS_NAMES = {NORMAL: "NORMAL", UPDATING: "UPDATING", CLEARING: "CLEARING", CL
                 RESHARDING: "RESHARDING"}
 
 
+WRITING = -1       # reshard_state's attempt while the engine rewrites the stage's fields
+
+
+def publish_stage(state, seq: int, stage: int, from_tp: int, to_tp: int, attempt: int):
+    """Publish a reshard stage in the reshard_state signal ([seq, stage, from tp, to tp, attempt]; docs/design.md
+    §9) as a seqlock: the attempt reads WRITING while the fields change, then the new attempt (positive, new
+    every time), so that a reader never acts on fields of two stages."""
+    if attempt <= 0:
+        raise ValueError(f"a stage's attempt must be positive, got {attempt}")
+    state[4] = WRITING
+    state[0], state[1], state[2], state[3] = seq, stage, from_tp, to_tp
+    state[4] = attempt
+
+
+def read_stage(state):
+    """(attempt, seq, stage, from tp, to tp) of the published stage, or None while none is (attempt 0: never
+    published) or it is being rewritten (the reader tries again on its next poll)."""
+    attempt = int(state[4])
+    if attempt <= 0:
+        return None
+    fields = tuple(int(x) for x in state[:4])
+    if int(state[4]) != attempt:
+        return None
+    return (attempt, *fields)
+
+
 class IPCSignal:
     """`IPCSignal(name, shape, dtype, suffix, create=True)` creates it (mode 0600); create=False attaches."""
 

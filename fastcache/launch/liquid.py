@@ -23,7 +23,6 @@ from ..ipc.naming import PREFIX, weights_name
 from ..ipc.shm import SHM_DIR
 from ..ops import get_ops, round_robin_devices
 from ..ops.frameworks import NUMPY_STORAGE
-from ..reshard_plan import least
 from ..weight_spec import WeightSpec
 from .harness import WorkerProcesses, conclude, shm_bytes, wait_until_ready
 
@@ -304,9 +303,8 @@ class CacheCheck:
 
 def blocks_at(backend, tp):
     """(GPU, CPU) blocks a rank holds at tp."""
-    cap = least(backend._resharder.capacities)
-    heads = backend.spec.num_kv_heads * backend.tp_size // tp
-    return cap.main // heads, cap.cpu // heads
+    spec = backend.spec_at(tp)
+    return spec.num_gpu_blocks, spec.num_cpu_blocks
 
 
 def liquid(backend, workers: WorkerProcesses, tps, cycles, rng, checks, report, swap_blocks=8, clear=True,

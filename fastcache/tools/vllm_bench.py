@@ -267,8 +267,10 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
     # the tier's real size: vLLM's page of a block may be larger than K and V alone
     chunks = next((r["manager_in_run"]["num_chunks"] for r in reports.values() if "manager_in_run" in r),
                   args.cpu_blocks)
-    model = {"fastcache": simulate(requests, args.gpu_blocks, chunks, policy=args.policy).rates(),
-             "fastcache+l3": simulate(requests, args.gpu_blocks, chunks, l3=True, policy=args.policy).rates()}
+    # vLLM's connector stores a block when it is computed, never when its own cache evicts it: no write-back
+    model = {"fastcache": simulate(requests, args.gpu_blocks, chunks, policy=args.policy, write_back=False).rates(),
+             "fastcache+l3": simulate(requests, args.gpu_blocks, chunks, l3=True, policy=args.policy,
+                                      write_back=False).rates()}
     print(f"\nmodel of the same capacities and policy ({args.policy}; vLLM cache {args.gpu_blocks}, CPU tier "
           f"{chunks} blocks):")
     for way, rates in model.items():

@@ -27,6 +27,7 @@ from ..config import CacheSpec
 from ..ipc.manifest import read_json_segment, write_json_segment
 from ..ipc.naming import device_memory_name, reshard_exports_name, reshard_plan_name, weights_name
 from ..ipc.protocol import ABORT, COMMIT, PREPARE, STAGE_NAMES
+from ..ipc.signal import read_stage
 from ..weight_spec import WeightSpec
 
 log = logging.getLogger("fastcache.worker")
@@ -50,12 +51,11 @@ class ReshardFollower:
 
     def poll(self):
         w = self.w
-        state = w.signals.reshard_state
-        attempt = int(state[4])                 # read first: the engine writes it last
-        if attempt == self.done:
-            return
+        published = read_stage(w.signals.reshard_state)
+        if published is None or published[0] == self.done:
+            return      # none yet, being rewritten (read whole on the next poll), or acted on
+        attempt, seq, stage, from_tp, to_tp = published
         self.done = attempt
-        seq, stage, from_tp, to_tp = (int(x) for x in state[:4])
         if stage not in (PREPARE, COMMIT, ABORT):
             return
         old, new = w.rank < from_tp, w.rank < to_tp
