@@ -10,13 +10,13 @@ chunks, the trace model). A policy sees keys only; its owner keeps the bytes and
   named by the current call); the policy forgets them. Fewer when fewer can go.
 - `remove(key)`: the owner dropped a key (a failed copy, a reset); `clear()` drops every key.
 
-Policies: `lru`, the default (least recently used; a call's head ends most recent, so a chain goes from its
-tail), `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size), `prefix`, which ranks
-what a prefix cache knows (see PrefixPolicy), and `probation`, which gives up first what was stored once and
-not named since (under a GPU cache that stores its evictions: blocks the GPU still holds), learning online
-how far to protect what was named again (see ProbationPolicy). `probation` is at or above lru and arc at
-every capacity measured on the three traces and on held-out ones (docs/benchmarks.md, "Eviction policies"),
-at about lru's cost; `lru` stays the default until it has run on an engine.
+Policies: `probation`, the default, which gives up first what was stored once and not named since (under a
+GPU cache that stores its evictions: blocks the GPU still holds), learning online how far to protect what was
+named again (see ProbationPolicy); `lru` (least recently used; a call's head ends most recent, so a chain goes
+from its tail); `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size); and `prefix`, which
+ranks what a prefix cache knows (see PrefixPolicy). `probation` is at or above lru and arc at every capacity
+measured on the three traces and on held-out ones (docs/benchmarks.md, "Eviction policies"), at about lru's
+cost, and on vLLM's engine computes fewer prefill tokens than lru.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict, deque
 from itertools import groupby, islice, repeat
 from operator import itemgetter
 
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "probation"
 
 
 class LruPolicy:

@@ -25,7 +25,8 @@ def test_good_config_keeps_vllm_keys():
     ({"cpu_bytes_to_use": 1, "store": "mooncake://host"}, "store"),
     ({"cpu_bytes_to_use": 1, "namespace": ""}, "namespace"),
     ({"cpu_bytes_to_use": 1, "transfer_timeout": 0}, "transfer_timeout"),
-    ({"cpu_bytes_to_use": 1, "policy": "mru"}, "'policy' must be one of \\['arc', 'lru', 'prefix'\\].*got 'mru'"),
+    ({"cpu_bytes_to_use": 1, "policy": "mru"},
+     "'policy' must be one of \\['arc', 'lru', 'prefix', 'probation'\\].*got 'mru'"),
     ({"cpu_bytes_to_use": 1, "policy": "LRU"}, "policy"),
     ({"cpu_bytes_to_use": 1, "policy": 3}, "policy"),
 ])
