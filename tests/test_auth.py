@@ -197,7 +197,7 @@ def test_an_unsigned_command_on_a_task_pipe_is_dropped_by_the_transfer_manager(c
             for _ in range(3):
                 backend._task_pushes[0].send_multipart(protocol.encode("stop"), zmq.NOBLOCK)
         round_trip(backend, workers, rng)
-        assert backend.transfer_pids == [pid] and backend._procs[0].poll() is None
+        assert backend.transfer_pids == [pid] and backend._ranks.process(0).poll() is None
     err = capfd.readouterr().err
     assert err.count("a message not signed by this deployment's engine was dropped") == 1, err[-2000:]
 

@@ -133,12 +133,12 @@ def test_a_death_noticed_after_restart_rank_replaced_the_process_does_not_take_t
     a new process in its place meanwhile, that mark must not stick (every swap would be refused)."""
     rng = np.random.default_rng(17)
     with deployment(small_spec(), tp=2) as (backend, workers):
-        old = backend._procs[1]
+        old = backend._ranks.process(1)
         backend.restart_rank(1)
         backend.wait_ready(timeout=30)
-        assert old.poll() is not None and backend._procs[1] is not old
-        backend._mark_failed(1, f"transfer manager (pid {old.pid}) exited", proc=old)     # the late check
-        assert backend._failed == {}
+        assert old.poll() is not None and backend._ranks.process(1) is not old
+        backend._ranks.mark_failed(1, f"transfer manager (pid {old.pid}) exited", proc=old)     # the late check
+        assert backend.failed_ranks == {}
         round_trip(backend, workers, rng)
 
 
@@ -240,9 +240,9 @@ def test_sigkill_of_a_worker_process_makes_its_transfer_manager_exit_and_the_eng
 
 def test_task_submitted_right_after_a_transfer_manager_died_names_its_exit_status(monkeypatch):
     """Regression: between a manager's death and the next supervision tick, a submission used to fail with
-    a bare 'transfer manager not connected'; _send_all now looks at the process (_check_exit) itself."""
+    a bare 'transfer manager not connected'; _send_all now looks at the process (check_exit) itself."""
     with deployment(small_spec(), tp=2) as (backend, workers):
-        monkeypatch.setattr(backend, "_watch_ranks", lambda: None)    # hold the 100 ms supervision tick
+        monkeypatch.setattr(backend._ranks, "watch", lambda: None)    # hold the 100 ms supervision tick
         pid = backend.transfer_pids[1]
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not process_alive(pid), 5, "the transfer manager died")

@@ -1,18 +1,16 @@
 """SwapBackend: the engine side of fastcache (docs/design.md §1, §4-§7).
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
-validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
-managers (ranks.py) and the task channel with its I/O thread (channel.py), mixed in; the store tasks
-(store_tasks.py), the weight group (weights.py) and the resharder (resharder.py), parts it owns, each the one
-owner of its state, that its store, weight and reshard methods delegate to. The resharder reaches the ranks'
-state through _ReshardHost, defined here beside that state.
+validated tasks and drives clear/restore. Its parts, each in its own module: the task channel with its I/O
+thread (channel.py), mixed in; the rank supervisor (ranks.py), the store tasks (store_tasks.py), the weight
+group (weights.py) and the resharder (resharder.py), parts it owns, each the one owner of its state, that its
+rank, store, weight and reshard methods delegate to. The resharder reaches the ranks' state through
+_ReshardHost, defined here, which calls the rank supervisor's public methods.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import subprocess
 import threading
 import time
 
@@ -40,7 +38,7 @@ from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
-from .ranks import RankSupervision
+from .ranks import RankSupervisor
 from .resharder import Resharder
 from .store_tasks import StoreTasks
 from .weights import WeightGroup, place_weights
@@ -52,7 +50,7 @@ STOP_GRACE = 5.0            # of which the transfer managers get this long to st
 SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
-class SwapBackend(RankSupervision, TaskChannel):
+class SwapBackend(TaskChannel):
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -97,14 +95,13 @@ class SwapBackend(RankSupervision, TaskChannel):
         self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
         self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # ipc/layers.py (weight streams: weights.py)
-        self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
         self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
         self._unreceived: dict[int, dict[int, tuple]] = {}    # rank -> seq -> (handle, sent at) of tasks
-        self._procs: list[subprocess.Popen | None] = [None] * tp_size
-        self._failed: dict[int, str] = {}          # rank -> why it is out of service
-        self._registered = [False] * tp_size
-        self._attached = [False] * tp_size
+        self._ranks = RankSupervisor(               # docs/design.md §7 (engine/ranks.py)
+            tp_size, self.settings, self._token,
+            lambda: (self.spec, self.tp_size, self.device_ids, self.weight_layout), self._launch_args,
+            lambda: self.signals, self._open_pipe, self._fail_rank_tasks, self._wake_phases)
         self._swap_segments: list[SharedSegment | None] = [None] * tp_size
         self._warned: set = set()
         self._started = self._closed = False
@@ -138,16 +135,25 @@ class SwapBackend(RankSupervision, TaskChannel):
             self.socket_dir = make_socket_dir(self.suffix)
             self._context = zmq.Context()
             self._router = bind_replies(self._context, self.socket_dir)
-            self._task_pushes = [None] * self.tp_size      # bound by _spawn, one socket per process
+            self._task_pushes = [None] * self.tp_size      # bound by _open_pipe, one socket per process
             self._io_stop = threading.Event()
             self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
             self._io_thread.start()
             for rank in range(self.tp_size):
-                self._spawn(rank)
+                self._ranks.spawn(rank)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _launch_args(self) -> list[str]:
+        """The arguments every transfer manager of this deployment is started with (engine/ranks.py)."""
+        return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device] + \
+            (["--store", self.store_url.url] if self.store_url else [])
+
+    def _wake_phases(self):
+        with self._phase_cond:
+            self._phase_cond.notify_all()
 
     def _check_fits(self):
         """Refuse a spec that cannot fit before allocating anything (psutil / /dev/shm free space)."""
@@ -179,26 +185,46 @@ class SwapBackend(RankSupervision, TaskChannel):
     def status(self) -> int:
         return self.signals.status
 
+    # -- the ranks' processes (docs/design.md §7; engine/ranks.py) ----------------------------------------
+    @property
+    def transfer_pids(self) -> list[int]:
+        return self._ranks.pids(self.tp_size)
+
+    @property
+    def failed_ranks(self) -> dict[int, str]:
+        """Ranks out of service, with why (restart_rank puts one back)."""
+        return self._ranks.failed_ranks
+
+    def restart_rank(self, rank: int, timeout: float = 30.0):
+        """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a
+        pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec)."""
+        self._ranks.restart(rank, self._resharder.pending)
+        # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
+        # attached too when the cache is up (in CLEARED it attaches on restore)
+        ranks = self._ranks
+        ready = (lambda: ranks.attached(rank)) if self.signals.status == NORMAL else (lambda: ranks.registered(rank))
+        self._wait_signals(ready, time.monotonic() + timeout, f"restart of rank {rank}")
+
     def wait_ready(self, timeout: float = 30.0):
         """Wait until every worker has exported its cache and every transfer manager has attached it.
         Raises TransferError as soon as a rank fails, TimeoutError (saying what is missing) at the timeout."""
         deadline = time.monotonic() + timeout
         while not self._all_ready():
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"deployment not ready after {timeout} s: {self._readiness()}")
             time.sleep(0.002)
         return self
 
     def _all_ready(self) -> bool:
-        return (all(self._attached[:self.tp_size]) and bool(self.signals.cache_ready[:self.tp_size].all())
+        return (self._ranks.all_attached(self.tp_size) and bool(self.signals.cache_ready[:self.tp_size].all())
                 and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights.ready())
 
     def _readiness(self) -> str:
         return "; ".join(
             f"rank {r}: cache_ready={int(self.signals.cache_ready[r])} "
             f"swap_space_ready={int(self.signals.swap_space_ready[r])} "
-            f"transfer manager {'attached' if self._attached[r] else 'registered' if self._registered[r] else 'not connected'}"
+            f"transfer manager {self._ranks.connection(r)}"
             + (f" weights exported={int(self.signals.weights_ready[r, 0])} attached={int(self.signals.weights_ready[r, 1])}"
                if self.weight_layout is not None else "")
             for r in range(self.tp_size))
@@ -244,7 +270,7 @@ class SwapBackend(RankSupervision, TaskChannel):
         if status != NORMAL:
             raise RefusedError(f"{what} refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
                                f"(the cache is being cleared, restored or resharded)")
-        self._raise_if_failed()
+        self._ranks.raise_if_failed()
         if not self._all_ready():
             raise RefusedError(f"{what} refused: deployment not ready ({self._readiness()}); call wait_ready()")
         task_id = next(self._task_ids) if slots is None else \
@@ -255,7 +281,7 @@ class SwapBackend(RankSupervision, TaskChannel):
 
     def _new_phase_task(self, kind, nbytes: int) -> TransferHandle:
         """The handle of a task that a phase sends outside NORMAL (a sleep's or a wake's weight copy)."""
-        self._raise_if_failed()
+        self._ranks.raise_if_failed()
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size), nbytes)
         handle.add_done_callback(self.counters.record)
         return handle
@@ -390,7 +416,7 @@ class SwapBackend(RankSupervision, TaskChannel):
                 raise TransferError(f"sleep refused: kv_cache_status is {STATUS_NAMES.get(status, status)}")
             if self._resharder.pending is not None:
                 raise TransferError("sleep refused: a reshard is pending")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             deadline = time.monotonic() + timeout
             self.barrier.reset()
             self.signals.status = CLEARING          # refuses new swaps from here on
@@ -417,7 +443,7 @@ class SwapBackend(RankSupervision, TaskChannel):
             if status not in (CLEARED, UPDATING):
                 raise TransferError(f"wake refused: the sleep has not finished (kv_cache_status is "
                                     f"{STATUS_NAMES.get(status, status)}); call sleep({level}) again")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             deadline = time.monotonic() + timeout
             self._restore_phase(deadline, "wake")
             self._weights.restore_resident(level, deadline)
@@ -438,7 +464,7 @@ class SwapBackend(RankSupervision, TaskChannel):
             if self._resharder.pending is not None:
                 raise TransferError("clear refused: a reshard is pending (restart_rank the failed rank, then "
                                     "reshard again)")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             deadline = time.monotonic() + timeout
             self.barrier.reset()
             self.signals.status = CLEARING              # refuses new swaps from here on
@@ -453,7 +479,7 @@ class SwapBackend(RankSupervision, TaskChannel):
         self._wait_signals(lambda: not self.signals.cache_ready.any() and
                            (not release or not self.signals.swap_space_ready.any()) and
                            (not weights or not self.signals.weights_ready.any()), deadline, "release")
-        self._attached = [False] * self.tp_size
+        self._ranks.detach(range(self.tp_size))
         if release:
             self._release_swap_spaces()
         self.allocator.reset()
@@ -469,7 +495,7 @@ class SwapBackend(RankSupervision, TaskChannel):
                                     f"{STATUS_NAMES.get(self.signals.status)}")
             if self.signals.sleep_level[0]:
                 raise TransferError("restore refused: the deployment sleeps; call wake()")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             self._restore_phase(time.monotonic() + timeout, "restore")
             self.signals.status = NORMAL
 
@@ -501,14 +527,15 @@ class SwapBackend(RankSupervision, TaskChannel):
             self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
             self._settle_phase(phase, deadline)
-            failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._failed.items()))
+            failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._ranks.failed_ranks.items()))
             raise TransferError(f"{phase} failed: {self._end_phase_command() or exc}{failed}") from None
         self._end_phase_command()
         with self._phase_cond:
-            ok = self._phase_cond.wait_for(lambda: len(self._phase_acks[phase]) == self.tp_size or self._failed,
-                                           max(0.0, deadline - time.monotonic()))
+            ok = self._phase_cond.wait_for(
+                lambda: len(self._phase_acks[phase]) == self.tp_size or self._ranks.any_failed(),
+                max(0.0, deadline - time.monotonic()))
             acks = self._phase_acks.pop(phase)
-        self._raise_if_failed()
+        self._ranks.raise_if_failed()
         errors = {r: e for r, e in acks.items() if e}
         if errors or not ok:
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or \
@@ -527,8 +554,8 @@ class SwapBackend(RankSupervision, TaskChannel):
 
         def settled():
             acks = self._phase_acks.get(phase, {})
-            return all(r in acks or r in lost or r in self._failed or proc is None or proc.poll() is not None
-                       for r, proc in enumerate(self._procs[:self.tp_size]))
+            return all(r in acks or r in lost or self._ranks.gone(r)
+                       for r in range(min(self.tp_size, self._ranks.size)))
         with self._phase_cond:
             self._phase_cond.wait_for(settled, max(0.0, until - time.monotonic()))
             self._phase_acks.pop(phase, None)
@@ -538,7 +565,7 @@ class SwapBackend(RankSupervision, TaskChannel):
         """Until condition() holds; TransferError naming what is missing (detail(), or every rank's readiness)
         past the deadline."""
         while not condition():
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             if time.monotonic() > deadline:
                 raise TransferError(f"{what} timed out: {(detail or self._readiness)()}")
             time.sleep(0.001)
@@ -562,9 +589,10 @@ class SwapBackend(RankSupervision, TaskChannel):
         deadline = time.monotonic() + timeout
         self._resharder.close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
+        self._ranks.begin_close()
         if getattr(self, "_io_thread", None) is not None:
             self._send_all(protocol.encode("stop"))
-        self._stop_processes(grace=max(0.5, deadline - time.monotonic()))
+        self._ranks.stop(grace=max(0.5, deadline - time.monotonic()))
         # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited. A
         # backend refused at start (the suffix belongs to a live deployment) created nothing: the workers
         # in this process are the running deployment's, not its own
@@ -641,7 +669,7 @@ class _ReshardHost:
         b = self._b
         with b._phase_cond:
             acks = b._phase_acks[phase]
-            b._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in b._failed for r in ranks),
+            b._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or b._ranks.any_failed(ranks),
                                    max(0.0, deadline - time.monotonic()))
             got, copies = dict(acks), dict(b._copy_seconds)
             b._phase_acks.pop(phase, None)
@@ -649,43 +677,38 @@ class _ReshardHost:
 
     # -- the ranks' processes and pipes ------------------------------------------------------------
     def spawn(self, rank, spec, tp, device_id, weights):
-        self._b._spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
+        self._b._ranks.spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
 
     def registered(self, rank) -> bool:
-        return self._b._registered[rank]
+        return self._b._ranks.registered(rank)
 
     def pid(self, rank) -> int:
-        return self._b._procs[rank].pid
+        return self._b._ranks.pid(rank)
 
     def send_to(self, rank, message) -> bool:
         return self._b._send_to(rank, message)
 
     def check_exit(self, rank) -> bool:
-        return self._b._check_exit(rank)
+        return self._b._ranks.check_exit(rank)
 
     def take_out(self, rank):
         """Rank's process, taken out of service so that supervision does not report its (planned) exit."""
-        b = self._b
-        proc, b._procs[rank] = b._procs[rank], None
-        b._failed.pop(rank, None)
-        b._attached[rank] = b._registered[rank] = False
-        return proc
+        return self._b._ranks.take_out(rank)
 
     def detach(self, ranks):
         """These ranks attach their caches again before they are ready."""
-        for r in ranks:
-            self._b._attached[r] = False
+        self._b._ranks.detach(ranks)
 
     # -- the ranks' lists and CPU tiers ------------------------------------------------------------
     def add_ranks(self, tp):
         """Room for ranks up to tp (a scale-out's new ones), none in service yet."""
         b = self._b
-        grow = tp - len(b._procs)
+        b._ranks.grow(tp)
+        grow = tp - len(b._swap_segments)
         if grow > 0:
-            b._procs, b._registered = b._procs + [None] * grow, b._registered + [False] * grow
-            b._attached, b._swap_segments = b._attached + [False] * grow, b._swap_segments + [None] * grow
+            b._swap_segments = b._swap_segments + [None] * grow
         b.signals.resize(tp)
-        with b._submit_lock:         # _spawn binds the new ranks' task sockets
+        with b._submit_lock:         # the rank supervisor's spawn binds the new ranks' task sockets
             b._task_pushes = b._task_pushes + [None] * (tp - len(b._task_pushes))
 
     def create_cpu_tier(self, rank, spec):
@@ -709,13 +732,11 @@ class _ReshardHost:
         """Ranks below tp only (a commit's or a rollback's): a rank from tp on that still has a pipe or a CPU
         tier (one a failed scale-out made before its rank started) loses it too."""
         b = self._b
-        for r in range(tp, len(b._procs)):
-            b._procs[r] = None                  # retired: None already; supervision sees None
+        b._ranks.keep(tp)                       # retired: None already; supervision sees None
+        for r in range(tp, len(b._swap_segments)):
             if (r < len(b._task_pushes) and b._task_pushes[r] is not None) or b._swap_segments[r] is not None:
                 self.drop_rank(r)
-        b._procs, b._registered = b._procs[:tp], b._registered[:tp]
-        b._attached, b._swap_segments = b._attached[:tp], b._swap_segments[:tp]
-        b._task_pushes = b._task_pushes[:tp]
+        b._swap_segments, b._task_pushes = b._swap_segments[:tp], b._task_pushes[:tp]
         b.signals.resize(tp)
 
     def take_geometry(self, spec, tp, device_ids):

@@ -2,9 +2,11 @@
 ranks' task pipes (under a lock, in submission order); one I/O thread reads the replies, completes the
 handles rank by rank, records phase acknowledgements, and calls supervision every 100 ms.
 
-A mixin of SwapBackend. The state it owns: `_context`, `_router`, `_task_pushes`, `_handles`,
-`_phase_acks`, `_phase_command`, `_warned` and the I/O thread; replies are accepted only from the process
-supervision spawned for a rank.
+A mixin of SwapBackend. The state it owns: `_context`, `_router`, `_task_pushes`, `_sent_seq`, `_unreceived`,
+`_handles`, `_phase_acks`, `_phase_command`, `_warned` and the I/O thread. The ranks' processes are the rank
+supervisor's (`_ranks`, engine/ranks.py), reached through its public methods: replies are accepted only from
+the process it spawned for a rank, and it gets a new process's task pipe from open_pipe and fails a rank's
+tasks through fail_rank_tasks.
 
 A phase command that another process takes off a rank's task pipe would leave the phase waiting for its
 whole timeout: until each rank has read it, the I/O thread sends that rank a numbered no-op (`ping`) every
@@ -21,7 +23,7 @@ import zmq
 
 from ..ipc import protocol
 from ..ipc.barrier import transfer_party
-from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, identity_rank, signed, verified
+from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, bind_tasks, identity_rank, signed, verified
 
 log = logging.getLogger("fastcache.engine")
 
@@ -46,6 +48,69 @@ class TaskChannel:
     replies_read = 0        # messages the I/O thread has taken off the reply socket, dropped ones included
     _phase_command: PhaseCommand | None = None      # the phase command being watched (_send_phase_command)
 
+    def _open_pipe(self, rank, incarnation):
+        """A new process for rank (the rank supervisor's spawn): its own task socket, bound here; from now on
+        nothing sent for rank can reach an earlier process's pipe, and the numbers start again from 1."""
+        with self._submit_lock:
+            old, self._task_pushes[rank] = self._task_pushes[rank], bind_tasks(
+                self._context, self.socket_dir, rank, incarnation)
+            if old is not None:
+                old.close(0)
+            self._sent_seq[rank], self._unreceived[rank] = 0, {}
+            self.signals.task_received[rank] = 0
+
+    def _fail_rank_tasks(self, rank, why):
+        """Every task still waiting for rank fails there (the rank supervisor took it out of service)."""
+        with self._handles_lock:
+            handles = list(self._handles.values())
+        for handle in handles:
+            handle.rank_finished(rank, why, lost=True)
+        self._forget_done(handles)
+
+    def _fail_pending(self, why):
+        with self._handles_lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            for rank in handle.pending_ranks():
+                handle.rank_finished(rank, why, lost=True)
+
+    def _forget_done(self, handles):
+        with self._handles_lock:
+            for handle in handles:
+                if handle.done():
+                    self._handles.pop(handle.task_id, None)
+
+    def _watch_unreceived(self):
+        """A task its transfer manager has not read within the transfer timeout fails on that rank (another
+        process of the user took it off the pipe, or the pipe is gone); so do tasks the rank reports lost."""
+        now, limit = time.monotonic(), self.settings.transfer_timeout
+        wall = time.time()
+        late = []
+        with self._submit_lock:
+            for rank, pending in self._unreceived.items():
+                if rank >= len(self.signals.task_received):
+                    continue
+                received = int(self.signals.task_received[rank])
+                beating = wall - float(self.signals.transfer_heartbeat[rank]) < limit
+                for seq, (handle, sent) in list(pending.items()):
+                    if not handle.waits_for(rank):
+                        del pending[seq]
+                    elif seq > received and now - sent > limit and beating:     # a silent one: heartbeats
+                        del pending[seq]
+                        late.append((handle, rank))
+        for handle, rank in late:
+            self._finish(handle, rank, f"its transfer manager did not receive the task within {limit:.0f} s "
+                                       f"(another process reading rank {rank}'s task pipe?)")
+
+    def _lost_messages(self, rank, first, last):
+        with self._submit_lock:
+            pending = self._unreceived.get(rank, {})
+            lost = [pending.pop(seq)[0] for seq in range(first, last + 1) if seq in pending]
+        self._warn_once(("lost", rank), f"rank {rank}: messages {first}..{last} never reached its transfer manager: "
+                                        f"another process is reading its task pipe")
+        for handle in lost:
+            self._finish(handle, rank, "another process took the task off its task pipe (it never arrived)")
+
     def _serve(self):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -64,7 +129,9 @@ class TaskChannel:
                         self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
                     self.replies_read += 1
             if time.monotonic() >= next_watch:
-                self._watch_ranks()
+                if not self._closed:
+                    self._ranks.watch()
+                    self._watch_unreceived()        # after the heartbeats: a silent process is named as such
                 self._watch_phase_command()
                 next_watch = time.monotonic() + 0.1
 
@@ -72,19 +139,21 @@ class TaskChannel:
         """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
         the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
         handle may be done and its blocks reused, and a new process must not copy them late. (The check is
-        sound under the lock: restart_rank fails the old process's tasks before _spawn takes the lock.)"""
+        sound under the lock: restart_rank fails the old process's tasks before open_pipe takes the lock.)"""
         with self._submit_lock:
             for rank, push in enumerate(self._task_pushes):
                 if push is None:        # a rank a reshard is adding or retiring
                     continue
                 if handle is not None and not handle.waits_for(rank):
                     continue
-                if rank in self._failed:
-                    self._finish(handle, rank, self._failed[rank], lost=True)
+                why = self._ranks.why_failed(rank)
+                if why is not None:
+                    self._finish(handle, rank, why, lost=True)
                     continue
                 if not self._deliver(rank, push, message, command=handle is None, handle=handle):
-                    self._check_exit(rank)
-                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"), lost=True)
+                    self._ranks.check_exit(rank)
+                    self._finish(handle, rank, self._ranks.why_failed(rank) or "transfer manager not connected",
+                                 lost=True)
 
     def _send_phase_command(self, phase: str, message):
         """Send a phase command to every rank (as _send_all) and watch that each reads it."""
@@ -147,7 +216,7 @@ class TaskChannel:
 
     def _send_to(self, rank, message) -> bool:
         """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
-        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
+        with self._submit_lock:         # zmq sockets are not thread-safe, and open_pipe replaces them
             push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
             return push is not None and self._deliver(rank, push, message, command=True)
 
@@ -162,9 +231,8 @@ class TaskChannel:
         if self._try_send(push, message):
             self._sent(rank, seq, handle)
             return True
-        proc = self._procs[rank] if command and rank < len(self._procs) else None
         deadline = time.monotonic() + PIPE_TIMEOUT
-        while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
+        while command and self._ranks.awaits_pipe(rank) and time.monotonic() < deadline:
             time.sleep(0.001)
             if self._try_send(push, message):
                 self._sent(rank, seq, handle)
@@ -200,8 +268,7 @@ class TaskChannel:
     def _on_reply(self, frames):
         who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
         rank = who[0] if who else None
-        procs = self._procs        # during a reshard, ranks above tp_size are in service too
-        if rank is None or not 0 <= rank < len(procs) or procs[rank] is None or who[1] != procs[rank].pid:
+        if rank is None or not self._ranks.is_current(rank, who[1]):    # in a reshard, ranks of both tps
             self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
             return
         body = verified(self._token, TO_ENGINE, frames[1:])
@@ -216,7 +283,7 @@ class TaskChannel:
             return
         kind = header["type"]
         if kind == "register":
-            self._registered[rank] = True
+            self._ranks.on_registered(rank)
         elif kind == "done":
             self._reply_for(header["task_id"], rank, nbytes=header["nbytes"], skipped=header["skipped"],
                             seconds=header["seconds"])
@@ -225,9 +292,9 @@ class TaskChannel:
         elif kind in ("phase_done", "phase_failed"):
             if header["phase"] == "attach":
                 if kind == "phase_failed":      # a device error: out of service until restart_rank
-                    self._mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
+                    self._ranks.mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
                                             f"{header.get('error')}")
-                self._attached[rank] = kind == "phase_done"
+                self._ranks.on_attached(rank, kind == "phase_done")
                 return
             with self._phase_cond:
                 acks = self._phase_acks.get(header["phase"])
