@@ -1,11 +1,13 @@
 """SwapBackend: the engine side of fastcache (docs/design.md §1, §4-§7).
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
-validated tasks and drives clear/restore. Its parts, each in its own module: the task channel with its I/O
-thread (channel.py), mixed in; the rank supervisor (ranks.py), the store tasks (store_tasks.py), the weight
-group (weights.py) and the resharder (resharder.py), parts it owns, each the one owner of its state, that its
-rank, store, weight and reshard methods delegate to. The resharder reaches the ranks' state through
-_ReshardHost, defined here, which calls the rank supervisor's public methods.
+validated tasks and drives clear/restore. Its parts, each in its own module and each the one owner of its state:
+the rank supervisor (ranks.py: the transfer managers' processes), the task channel (channel.py: the pipes, the
+I/O thread, the tasks in flight and the phase reports), the store tasks (store_tasks.py), the weight group
+(weights.py) and the resharder (resharder.py); its rank, task, store, weight and reshard methods delegate to
+them, and the supervisor and the channel know each other only through public methods and callables given in
+their constructors. The resharder reaches the ranks' state through _ReshardHost, defined here, which calls
+the parts' public methods.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
 from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
@@ -25,7 +26,7 @@ from ..ipc.layers import SlotClaims
 from ..ipc.leftovers import remove_dead
 from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.reaper import Reaper
-from ..ipc.queue import bind_replies, make_socket_dir, new_token, remove_socket_dir
+from ..ipc.queue import make_socket_dir, new_token, remove_socket_dir
 from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
@@ -50,7 +51,7 @@ STOP_GRACE = 5.0            # of which the transfer managers get this long to st
 SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
-class SwapBackend(TaskChannel):
+class SwapBackend:
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -86,24 +87,18 @@ class SwapBackend(TaskChannel):
                                        lambda: self._closed)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
-        self._handles: dict[int, TransferHandle] = {}
-        self._handles_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
         self._phase_lock = threading.Lock()
-        self._phase_acks: dict[str, dict[int, str | None]] = {}
-        self._copy_seconds: dict[int, tuple] = {}       # rank -> its last reshard move's (copy, weights) seconds
-        self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
         self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # ipc/layers.py (weight streams: weights.py)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
-        self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
-        self._unreceived: dict[int, dict[int, tuple]] = {}    # rank -> seq -> (handle, sent at) of tasks
         self._ranks = RankSupervisor(               # docs/design.md §7 (engine/ranks.py)
             tp_size, self.settings, self._token,
             lambda: (self.spec, self.tp_size, self.device_ids, self.weight_layout), self._launch_args,
-            lambda: self.signals, self._open_pipe, self._fail_rank_tasks, self._wake_phases)
+            lambda: self.signals, lambda rank, incarnation: self._channel.open_pipe(rank, incarnation),
+            lambda rank, why: self._channel.fail_rank_tasks(rank, why), lambda: self._channel.wake())
+        self._channel = TaskChannel(                # docs/design.md §4 (engine/channel.py)
+            self._token, self.settings, lambda: self.signals, lambda: self.barrier, self._ranks, lambda: self._closed)
         self._swap_segments: list[SharedSegment | None] = [None] * tp_size
-        self._warned: set = set()
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
         self._resharder = Resharder(_ReshardHost(self))      # docs/design.md §9 (engine/resharder.py)
@@ -133,12 +128,7 @@ class SwapBackend(TaskChannel):
             self._create_swap_spaces()
             self._weights.create_regions()
             self.socket_dir = make_socket_dir(self.suffix)
-            self._context = zmq.Context()
-            self._router = bind_replies(self._context, self.socket_dir)
-            self._task_pushes = [None] * self.tp_size      # bound by _open_pipe, one socket per process
-            self._io_stop = threading.Event()
-            self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
-            self._io_thread.start()
+            self._channel.start(self.socket_dir, self.tp_size)
             for rank in range(self.tp_size):
                 self._ranks.spawn(rank)
         except BaseException:
@@ -150,10 +140,6 @@ class SwapBackend(TaskChannel):
         """The arguments every transfer manager of this deployment is started with (engine/ranks.py)."""
         return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device] + \
             (["--store", self.store_url.url] if self.store_url else [])
-
-    def _wake_phases(self):
-        with self._phase_cond:
-            self._phase_cond.notify_all()
 
     def _check_fits(self):
         """Refuse a spec that cannot fit before allocating anything (psutil / /dev/shm free space)."""
@@ -287,10 +273,7 @@ class SwapBackend(TaskChannel):
         return handle
 
     def _send_task(self, handle, message) -> TransferHandle:
-        with self._handles_lock:
-            self._handles[handle.task_id] = handle
-        self._send_all(message, handle)
-        return handle
+        return self._channel.send_task(handle, message)
 
     def _validate(self, kind, gpu_block_ids, cpu_block_ids):
         gpu_ids = as_ids(gpu_block_ids, "gpu_block_ids")
@@ -508,9 +491,7 @@ class SwapBackend(TaskChannel):
         self._wait_signals(self._all_ready, deadline, what)
 
     def _drain(self, deadline):
-        with self._handles_lock:
-            pending = list(self._handles.values())
-        for handle in pending:
+        for handle in self._channel.pending_handles():
             try:
                 handle.result(max(0.0, deadline - time.monotonic()))
             except TransferError:
@@ -520,21 +501,18 @@ class SwapBackend(TaskChannel):
 
     def _run_phase(self, phase, message, deadline):
         """Send a phase to every transfer manager, meet everyone at the barrier, collect the acks."""
-        with self._phase_cond:
-            self._phase_acks[phase] = {}
-        self._send_phase_command(phase, message)
+        channel = self._channel
+        channel.expect_reports(phase)
+        channel.send_phase_command(phase, message)
         try:
             self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
             self._settle_phase(phase, deadline)
             failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._ranks.failed_ranks.items()))
-            raise TransferError(f"{phase} failed: {self._end_phase_command() or exc}{failed}") from None
-        self._end_phase_command()
-        with self._phase_cond:
-            ok = self._phase_cond.wait_for(
-                lambda: len(self._phase_acks[phase]) == self.tp_size or self._ranks.any_failed(),
-                max(0.0, deadline - time.monotonic()))
-            acks = self._phase_acks.pop(phase)
+            raise TransferError(f"{phase} failed: {channel.end_phase_command() or exc}{failed}") from None
+        channel.end_phase_command()
+        ok, acks, _ = channel.collect_reports(phase, lambda acks: len(acks) == self.tp_size or self._ranks.any_failed(),
+                                              deadline - time.monotonic())
         self._ranks.raise_if_failed()
         errors = {r: e for r, e in acks.items() if e}
         if errors or not ok:
@@ -550,15 +528,12 @@ class SwapBackend(TaskChannel):
         (a party that hangs is not waited for: the next attempt names it)."""
         now = time.monotonic()
         until = min(now + 10.0, max(deadline, now + 1.0))
-        lost = set(self._phase_command.lost) if self._phase_command is not None else set()   # will not report
+        lost = self._channel.lost_phase_ranks()     # will not report
 
-        def settled():
-            acks = self._phase_acks.get(phase, {})
+        def settled(acks):
             return all(r in acks or r in lost or self._ranks.gone(r)
                        for r in range(min(self.tp_size, self._ranks.size)))
-        with self._phase_cond:
-            self._phase_cond.wait_for(settled, max(0.0, until - time.monotonic()))
-            self._phase_acks.pop(phase, None)
+        self._channel.collect_reports(phase, settled, until - time.monotonic())
         self.barrier.settle(max(0.0, until - time.monotonic()))
 
     def _wait_signals(self, condition, deadline, what, detail=None):
@@ -590,23 +565,15 @@ class SwapBackend(TaskChannel):
         self._resharder.close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
         self._ranks.begin_close()
-        if getattr(self, "_io_thread", None) is not None:
-            self._send_all(protocol.encode("stop"))
+        if self._channel.serving:
+            self._channel.send_all(protocol.encode("stop"))
         self._ranks.stop(grace=max(0.5, deadline - time.monotonic()))
         # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited. A
         # backend refused at start (the suffix belongs to a live deployment) created nothing: the workers
         # in this process are the running deployment's, not its own
         if self.signals is not None:
             close_local_workers(self.suffix)
-        if getattr(self, "_io_thread", None) is not None:
-            self._io_stop.set()
-            self._io_thread.join()
-        self._fail_pending("the backend was closed")
-        for sock in [getattr(self, "_router", None)] + getattr(self, "_task_pushes", []):
-            if sock is not None:
-                sock.close(0)
-        if hasattr(self, "_context"):
-            self._context.term()
+        self._channel.close("the backend was closed")
         self._release_swap_spaces()
         self._weights.release_regions()
         self._resharder.close()
@@ -658,21 +625,14 @@ class _ReshardHost:
 
     def expect_reports(self, phase):
         """Collect the ranks' reports of `phase` from now on (before it is sent: a fast report is kept)."""
-        b = self._b
-        with b._phase_cond:
-            b._phase_acks[phase] = {}
-            b._copy_seconds.clear()
+        self._b._channel.expect_reports(phase, copies=True)
 
     def collect_reports(self, phase, ranks, deadline) -> tuple[dict, dict]:
         """Until every rank in `ranks` has reported `phase`, one of them has failed, or the deadline: the reports
         ({rank: error or None}) and the ranks' copy seconds; stops collecting."""
-        b = self._b
-        with b._phase_cond:
-            acks = b._phase_acks[phase]
-            b._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or b._ranks.any_failed(ranks),
-                                   max(0.0, deadline - time.monotonic()))
-            got, copies = dict(acks), dict(b._copy_seconds)
-            b._phase_acks.pop(phase, None)
+        supervisor = self._b._ranks
+        _, got, copies = self._b._channel.collect_reports(
+            phase, lambda acks: set(ranks) <= set(acks) or supervisor.any_failed(ranks), deadline - time.monotonic())
         return got, copies
 
     # -- the ranks' processes and pipes ------------------------------------------------------------
@@ -686,7 +646,7 @@ class _ReshardHost:
         return self._b._ranks.pid(rank)
 
     def send_to(self, rank, message) -> bool:
-        return self._b._send_to(rank, message)
+        return self._b._channel.send_to(rank, message)
 
     def check_exit(self, rank) -> bool:
         return self._b._ranks.check_exit(rank)
@@ -708,8 +668,7 @@ class _ReshardHost:
         if grow > 0:
             b._swap_segments = b._swap_segments + [None] * grow
         b.signals.resize(tp)
-        with b._submit_lock:         # the rank supervisor's spawn binds the new ranks' task sockets
-            b._task_pushes = b._task_pushes + [None] * (tp - len(b._task_pushes))
+        b._channel.add_pipes(tp)        # the rank supervisor's spawn binds the new ranks' task sockets
 
     def create_cpu_tier(self, rank, spec):
         b = self._b
@@ -720,10 +679,7 @@ class _ReshardHost:
     def drop_rank(self, rank):
         """A retired rank's task pipe and CPU tier go."""
         b = self._b
-        with b._submit_lock:
-            push, b._task_pushes[rank] = b._task_pushes[rank], None
-            if push is not None:
-                push.close(0)
+        b._channel.drop_pipe(rank)
         seg, b._swap_segments[rank] = b._swap_segments[rank], None
         if seg is not None:
             seg.close()
@@ -734,9 +690,10 @@ class _ReshardHost:
         b = self._b
         b._ranks.keep(tp)                       # retired: None already; supervision sees None
         for r in range(tp, len(b._swap_segments)):
-            if (r < len(b._task_pushes) and b._task_pushes[r] is not None) or b._swap_segments[r] is not None:
+            if b._channel.has_pipe(r) or b._swap_segments[r] is not None:
                 self.drop_rank(r)
-        b._swap_segments, b._task_pushes = b._swap_segments[:tp], b._task_pushes[:tp]
+        b._swap_segments = b._swap_segments[:tp]
+        b._channel.keep_pipes(tp)
         b.signals.resize(tp)
 
     def take_geometry(self, spec, tp, device_ids):
