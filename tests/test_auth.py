@@ -126,8 +126,8 @@ class PipeWatch:
 
     def __init__(self, backend, rank):
         self.backend, self.rank = backend, rank
-        with backend._submit_lock:          # the socket's own users hold this lock
-            self.events = backend._task_pushes[rank].get_monitor_socket(
+        with backend._channel._submit_lock:          # the socket's own users hold this lock
+            self.events = backend._channel._task_pushes[rank].get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
 
     def wait(self, event, timeout=10):
@@ -139,8 +139,8 @@ class PipeWatch:
         raise AssertionError(f"no zmq event {event} on rank {self.rank}'s task socket within {timeout} s")
 
     def close(self):
-        with self.backend._submit_lock:
-            self.backend._task_pushes[self.rank].disable_monitor()
+        with self.backend._channel._submit_lock:
+            self.backend._channel._task_pushes[self.rank].disable_monitor()
         self.events.close(0)        # else the engine's context.term() would wait for it forever
 
     def __enter__(self):
@@ -193,11 +193,11 @@ def test_an_unsigned_command_on_a_task_pipe_is_dropped_by_the_transfer_manager(c
     rng = np.random.default_rng(41)
     with deployment(small_spec(), tp=1) as (backend, workers):
         pid = backend.transfer_pids[0]
-        with backend._submit_lock:
+        with backend._channel._submit_lock:
             for _ in range(3):
-                backend._task_pushes[0].send_multipart(protocol.encode("stop"), zmq.NOBLOCK)
+                backend._channel._task_pushes[0].send_multipart(protocol.encode("stop"), zmq.NOBLOCK)
         round_trip(backend, workers, rng)
-        assert backend.transfer_pids == [pid] and backend._procs[0].poll() is None
+        assert backend.transfer_pids == [pid] and backend._ranks.process(0).poll() is None
     err = capfd.readouterr().err
     assert err.count("a message not signed by this deployment's engine was dropped") == 1, err[-2000:]
 
@@ -206,6 +206,6 @@ def test_the_engine_drops_a_reply_without_a_valid_signature(caplog):
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     with deployment(small_spec(), tp=1) as (backend, workers):
         identity = rank_identity(0, backend.transfer_pids[0])
-        backend._on_reply([identity, bytes(MAC_BYTES)] + protocol.encode("register", rank=0, pid=1))
+        backend._channel.on_reply([identity, bytes(MAC_BYTES)] + protocol.encode("register", rank=0, pid=1))
         assert any("not signed" in r.getMessage() for r in caplog.records)
         round_trip(backend, workers, np.random.default_rng(42))

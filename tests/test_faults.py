@@ -133,12 +133,12 @@ def test_a_death_noticed_after_restart_rank_replaced_the_process_does_not_take_t
     a new process in its place meanwhile, that mark must not stick (every swap would be refused)."""
     rng = np.random.default_rng(17)
     with deployment(small_spec(), tp=2) as (backend, workers):
-        old = backend._procs[1]
+        old = backend._ranks.process(1)
         backend.restart_rank(1)
         backend.wait_ready(timeout=30)
-        assert old.poll() is not None and backend._procs[1] is not old
-        backend._mark_failed(1, f"transfer manager (pid {old.pid}) exited", proc=old)     # the late check
-        assert backend._failed == {}
+        assert old.poll() is not None and backend._ranks.process(1) is not old
+        backend._ranks.mark_failed(1, f"transfer manager (pid {old.pid}) exited", proc=old)     # the late check
+        assert backend.failed_ranks == {}
         round_trip(backend, workers, rng)
 
 
@@ -240,9 +240,9 @@ def test_sigkill_of_a_worker_process_makes_its_transfer_manager_exit_and_the_eng
 
 def test_task_submitted_right_after_a_transfer_manager_died_names_its_exit_status(monkeypatch):
     """Regression: between a manager's death and the next supervision tick, a submission used to fail with
-    a bare 'transfer manager not connected'; _send_all now looks at the process (_check_exit) itself."""
+    a bare 'transfer manager not connected'; send_all now looks at the process (check_exit) itself."""
     with deployment(small_spec(), tp=2) as (backend, workers):
-        monkeypatch.setattr(backend, "_watch_ranks", lambda: None)    # hold the 100 ms supervision tick
+        monkeypatch.setattr(backend._ranks, "watch", lambda: None)    # hold the 100 ms supervision tick
         pid = backend.transfer_pids[1]
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not process_alive(pid), 5, "the transfer manager died")
@@ -463,7 +463,7 @@ def test_after_restart_rank_no_task_reaches_a_pipe_of_the_old_process():
         stray = context.socket(zmq.PULL)
         stray.setsockopt(zmq.LINGER, 0)
         try:
-            stray.connect(backend._task_pushes[1].getsockopt_string(zmq.LAST_ENDPOINT))
+            stray.connect(backend._channel._task_pushes[1].getsockopt_string(zmq.LAST_ENDPOINT))
             time.sleep(0.2)                     # connected, like the old process's pipe
             backend.restart_rank(1)
             backend.wait_ready(timeout=30)
@@ -486,15 +486,15 @@ def test_a_task_failed_by_a_restart_before_it_was_sent_never_runs_on_the_new_pro
         cpu = backend.allocate_cpu_blocks(4)
         poison = rng.integers(0, 256, (4, backend.spec.cpu_block_bytes), dtype=np.uint8)
         backend.cpu_tier(1)[cpu] = poison
-        send = backend._send_all
+        send = backend._channel.send_all
 
         def restart_then_send(message, *args):
-            backend._send_all = send
+            backend._channel.send_all = send
             backend.restart_rank(1)
             backend.wait_ready(timeout=30)
             return send(message, *args)
 
-        backend._send_all = restart_then_send
+        backend._channel.send_all = restart_then_send
         handle = backend.swap_out([3, 5, 7, 9], cpu)
         with pytest.raises(TransferError, match="restarted"):
             handle.result(timeout=10)
@@ -528,7 +528,7 @@ def test_a_phase_command_waits_for_a_registered_process_whose_task_pipe_is_not_u
     with deployment(small_spec(), tp=2) as (backend, workers):
         backend.clear_caches(timeout=30)
         backend.restart_rank(1)
-        backend._task_pushes[1] = NotUpYet(backend._task_pushes[1], refusals=20)
+        backend._channel._task_pushes[1] = NotUpYet(backend._channel._task_pushes[1], refusals=20)
         started = time.monotonic()
         backend.restore_caches(timeout=10)
         assert time.monotonic() - started < 5

@@ -176,7 +176,7 @@ def dealer(context, identity=None):
 def engine_read(backend, before, sent):
     """Until the engine's I/O thread has taken `sent` more messages off its reply socket than `before` (each
     junk message is read, and dropped, by then)."""
-    wait_for(lambda: backend.replies_read - before >= sent, 30, f"the engine reading {sent} messages")
+    wait_for(lambda: backend._channel.replies_read - before >= sent, 30, f"the engine reading {sent} messages")
 
 
 def send_as_peer(backend, identity, frames):
@@ -265,8 +265,8 @@ def test_valid_tasks_round_trip_exactly(task_id, kind, dtype, ids):
 # -- (b) a live transfer manager's task socket -------------------------------------------------------
 def send_signed(backend, rank, frames):
     """Frames on rank's task pipe as its engine sends them, numbered and signed: what reaches the decoder."""
-    with backend._submit_lock:
-        assert backend._deliver(rank, backend._task_pushes[rank], frames, command=True)
+    with backend._channel._submit_lock:
+        assert backend._channel.deliver(rank, backend._channel._task_pushes[rank], frames, command=True)
 
 
 def test_live_transfer_managers_survive_malformed_task_messages(caplog):
@@ -384,7 +384,7 @@ def test_engine_reply_socket_survives_junk_peers(caplog):
     with deployment(small_spec(), tp=2) as (backend, workers):
         pids = backend.transfer_pids
         context = zmq.Context()
-        read, sent, seen = backend.replies_read, [0], set()
+        read, sent, seen = backend._channel.replies_read, [0], set()
         try:
             @LIVE
             @given(identity=st.none() | identities, frames=messages())
@@ -403,7 +403,7 @@ def test_engine_reply_socket_survives_junk_peers(caplog):
         finally:
             context.term()          # returns once every junk frame has been handed to the engine's socket
         engine_read(backend, read, sent[0])
-        assert backend._io_thread.is_alive()
+        assert backend._channel._io_thread.is_alive()
         round_trip(backend, workers, rng)
         assert backend.transfer_pids == pids
         assert not [r for r in engine_records(caplog) if r.levelno >= logging.ERROR]
@@ -417,7 +417,7 @@ def test_engine_survives_malformed_replies_from_rank_identities_and_logs_once(ca
     rng = np.random.default_rng(24)
     with deployment(small_spec(), tp=2) as (backend, workers):
         pids = backend.transfer_pids
-        read = backend.replies_read
+        read = backend._channel.replies_read
         context = zmq.Context()
         socks = {0: dealer(context, b"rank00"), 1: dealer(context, b"rank001")}
         try:
@@ -443,7 +443,7 @@ def test_engine_survives_malformed_replies_from_rank_identities_and_logs_once(ca
             context.term()          # returns once every frame has been handed to the engine's socket
         engine_read(backend, read, sum(sent.values()))
         round_trip(backend, workers, rng)
-        assert backend._io_thread.is_alive() and backend.transfer_pids == pids
+        assert backend._channel._io_thread.is_alive() and backend.transfer_pids == pids
         records = engine_records(caplog)
         assert not [r for r in records if r.levelno >= logging.ERROR]
         lines = [r.getMessage() for r in records]
@@ -456,7 +456,7 @@ def test_engine_drops_a_frame_over_zmq_max_message_size_and_keeps_working(caplog
     with deployment(small_spec(), tp=1) as (backend, workers):
         send_as_peer(backend, b"rank0-impostor", [b"x" * ((1 << 28) + 1)])
         round_trip(backend, workers, rng)
-        assert backend._io_thread.is_alive()
+        assert backend._channel._io_thread.is_alive()
 
 
 # -- regressions: each of these once crashed, hung or misrouted something --------------------------
@@ -490,17 +490,17 @@ def test_transfer_manager_survives_a_deeply_nested_task_message():
 def test_engine_survives_a_peer_that_once_killed_its_reply_thread(identity, frames):
     rng = np.random.default_rng(27)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        read = backend.replies_read
+        read = backend._channel.replies_read
         send_as_peer(backend, identity, frames)
         engine_read(backend, read, 1)
-        assert backend._io_thread.is_alive()
+        assert backend._channel._io_thread.is_alive()
         round_trip(backend, workers, rng)
 
 
 def test_a_peer_reusing_a_rank_identity_cannot_steal_that_ranks_replies():
     rng = np.random.default_rng(29)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        read = backend.replies_read
+        read = backend._channel.replies_read
         send_as_peer(backend, b"rank0", [b"junk"])
         engine_read(backend, read, 1)
         try:
@@ -514,7 +514,7 @@ def test_many_distinct_junk_peers_are_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="fastcache.engine")
     rng = np.random.default_rng(30)
     with deployment(small_spec(), tp=1) as (backend, workers):
-        read = backend.replies_read
+        read = backend._channel.replies_read
         context = zmq.Context()
         try:
             for i in range(30):

@@ -99,7 +99,7 @@ def test_a_transfer_manager_killed_while_a_layer_is_awaited_fails_every_waiter_n
         waiter = threading.Thread(target=worker_waits)
         waiter.start()
         began = time.monotonic()
-        backend._procs[1].kill()
+        backend._ranks.process(1).kill()
         with pytest.raises(TransferError, match="rank 1"):
             handle.wait_layer(SPEC.num_layers - 1, timeout=30)
         waiter.join(30)

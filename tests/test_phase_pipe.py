@@ -46,7 +46,7 @@ class Thief:
         """Swaps until one reaches the thief: its pipe is up (the task it took fails, as it must)."""
         for i in range(64):
             handle = self.backend.swap_out([i % 8], [i % 8])
-            seq = self.backend._sent_seq[0]
+            seq = self.backend._channel._sent_seq[0]
             wait_for(lambda: self.holds(seq) or handle.done(), 10, "the swap on the transfer manager or the thief")
             if self.holds(seq):
                 return
@@ -56,7 +56,7 @@ class Thief:
     def next_message_is_mine(self):
         """Steer the pipe's round robin so that the next message goes to the thief: if the last one did, one
         more goes to the transfer manager first."""
-        backend, seq = self.backend, self.backend._sent_seq[0]
+        backend, seq = self.backend, self.backend._channel._sent_seq[0]
         wait_for(lambda: self.holds(seq) or int(backend.signals.task_received[0]) >= seq, 10, "the last message")
         if self.holds(seq):
             self._one_more()
@@ -64,7 +64,7 @@ class Thief:
                      "the next one on the transfer manager")
 
     def next_message_is_theirs(self):
-        backend, seq = self.backend, self.backend._sent_seq[0]
+        backend, seq = self.backend, self.backend._channel._sent_seq[0]
         wait_for(lambda: self.holds(seq) or int(backend.signals.task_received[0]) >= seq, 10, "the last message")
         if not self.holds(seq):
             self._one_more()
@@ -75,7 +75,7 @@ class Thief:
         if self.backend.status == NORMAL:
             self.backend.swap_out([0], [0])
         else:
-            self.backend._ping(0)
+            self.backend._channel.ping(0)
 
     def close(self):
         self.sock.close(0)

@@ -572,7 +572,7 @@ def test_a_new_rank_killed_while_it_fills_its_memory_rolls_back_to_the_old_layou
 
         def start_then_kill_later(ranks, new_spec):
             pool.start(ranks, new_spec)
-            proc = backend._procs[1]
+            proc = backend._ranks.process(1)
 
             def later():
                 time.sleep(0.5)     # rank 1 is in the middle of its (paced) program by then

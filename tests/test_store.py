@@ -404,7 +404,7 @@ def test_bad_store_requests_are_refused_before_anything_is_sent(tmp_path):
                      lambda: backend.store_contains("m", ["x"])):
             with pytest.raises(ValueError):
                 call()
-        assert backend._handles == {}
+        assert backend._channel.pending_handles() == []
     with deployment(SPEC, tp=1) as (backend, _):
         with pytest.raises(ValueError, match="no store"):
             backend.cpu_to_store("m", [1], [0])

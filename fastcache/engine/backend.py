@@ -1,23 +1,22 @@
 """SwapBackend: the engine side of fastcache (docs/design.md §1, §4-§7).
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
-validated tasks and drives clear/restore. Its parts, each in its own module: supervision of the transfer
-managers (ranks.py) and the task channel with its I/O thread (channel.py), mixed in; the store tasks
-(store_tasks.py), the weight group (weights.py) and the resharder (resharder.py), parts it owns, each the one
-owner of its state, that its store, weight and reshard methods delegate to. The resharder reaches the ranks'
-state through _ReshardHost, defined here beside that state.
+validated tasks and drives clear/restore. Its parts, each in its own module and each the one owner of its state:
+the rank supervisor (ranks.py: the transfer managers' processes), the task channel (channel.py: the pipes, the
+I/O thread, the tasks in flight and the phase reports), the store tasks (store_tasks.py), the weight group
+(weights.py) and the resharder (resharder.py); its rank, task, store, weight and reshard methods delegate to
+them, and the supervisor and the channel know each other only through public methods and callables given in
+their constructors. The resharder reaches the ranks' state through _ReshardHost, defined here, which calls
+the parts' public methods.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import subprocess
 import threading
 import time
 
 import numpy as np
-import zmq
 
 from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
@@ -27,7 +26,7 @@ from ..ipc.layers import SlotClaims
 from ..ipc.leftovers import remove_dead
 from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.reaper import Reaper
-from ..ipc.queue import bind_replies, make_socket_dir, new_token, remove_socket_dir
+from ..ipc.queue import make_socket_dir, new_token, remove_socket_dir
 from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
 from ..metrics import SwapCounters
@@ -40,7 +39,7 @@ from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
 from .handle import TransferHandle
 from .ids import as_ids, wire_dtype
-from .ranks import RankSupervision
+from .ranks import RankSupervisor
 from .resharder import Resharder
 from .store_tasks import StoreTasks
 from .weights import WeightGroup, place_weights
@@ -52,7 +51,7 @@ STOP_GRACE = 5.0            # of which the transfer managers get this long to st
 SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
-class SwapBackend(RankSupervision, TaskChannel):
+class SwapBackend:
     """The engine's handle on a deployment: `with SwapBackend(spec, tp_size=2, device="sim") as b: ...`
 
     weights (a WeightSpec) adds the model's weights as a tensor group (docs/design.md §11); offload_fraction
@@ -88,25 +87,18 @@ class SwapBackend(RankSupervision, TaskChannel):
                                        lambda: self._closed)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
-        self._handles: dict[int, TransferHandle] = {}
-        self._handles_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
         self._phase_lock = threading.Lock()
-        self._phase_acks: dict[str, dict[int, str | None]] = {}
-        self._copy_seconds: dict[int, tuple] = {}       # rank -> its last reshard move's (copy, weights) seconds
-        self._phase_cond = threading.Condition()
         self._task_ids = itertools.count(1)
         self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # ipc/layers.py (weight streams: weights.py)
-        self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
-        self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
-        self._unreceived: dict[int, dict[int, tuple]] = {}    # rank -> seq -> (handle, sent at) of tasks
-        self._procs: list[subprocess.Popen | None] = [None] * tp_size
-        self._failed: dict[int, str] = {}          # rank -> why it is out of service
-        self._registered = [False] * tp_size
-        self._attached = [False] * tp_size
+        self._ranks = RankSupervisor(               # docs/design.md §7 (engine/ranks.py)
+            tp_size, self.settings, self._token,
+            lambda: (self.spec, self.tp_size, self.device_ids, self.weight_layout), self._launch_args,
+            lambda: self.signals, lambda rank, incarnation: self._channel.open_pipe(rank, incarnation),
+            lambda rank, why: self._channel.fail_rank_tasks(rank, why), lambda: self._channel.wake())
+        self._channel = TaskChannel(                # docs/design.md §4 (engine/channel.py)
+            self._token, self.settings, lambda: self.signals, lambda: self.barrier, self._ranks, lambda: self._closed)
         self._swap_segments: list[SharedSegment | None] = [None] * tp_size
-        self._warned: set = set()
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
         self._resharder = Resharder(_ReshardHost(self))      # docs/design.md §9 (engine/resharder.py)
@@ -136,18 +128,18 @@ class SwapBackend(RankSupervision, TaskChannel):
             self._create_swap_spaces()
             self._weights.create_regions()
             self.socket_dir = make_socket_dir(self.suffix)
-            self._context = zmq.Context()
-            self._router = bind_replies(self._context, self.socket_dir)
-            self._task_pushes = [None] * self.tp_size      # bound by _spawn, one socket per process
-            self._io_stop = threading.Event()
-            self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
-            self._io_thread.start()
+            self._channel.start(self.socket_dir, self.tp_size)
             for rank in range(self.tp_size):
-                self._spawn(rank)
+                self._ranks.spawn(rank)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _launch_args(self) -> list[str]:
+        """The arguments every transfer manager of this deployment is started with (engine/ranks.py)."""
+        return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device] + \
+            (["--store", self.store_url.url] if self.store_url else [])
 
     def _check_fits(self):
         """Refuse a spec that cannot fit before allocating anything (psutil / /dev/shm free space)."""
@@ -179,26 +171,46 @@ class SwapBackend(RankSupervision, TaskChannel):
     def status(self) -> int:
         return self.signals.status
 
+    # -- the ranks' processes (docs/design.md §7; engine/ranks.py) ----------------------------------------
+    @property
+    def transfer_pids(self) -> list[int]:
+        return self._ranks.pids(self.tp_size)
+
+    @property
+    def failed_ranks(self) -> dict[int, str]:
+        """Ranks out of service, with why (restart_rank puts one back)."""
+        return self._ranks.failed_ranks
+
+    def restart_rank(self, rank: int, timeout: float = 30.0):
+        """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a
+        pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec)."""
+        self._ranks.restart(rank, self._resharder.pending)
+        # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
+        # attached too when the cache is up (in CLEARED it attaches on restore)
+        ranks = self._ranks
+        ready = (lambda: ranks.attached(rank)) if self.signals.status == NORMAL else (lambda: ranks.registered(rank))
+        self._wait_signals(ready, time.monotonic() + timeout, f"restart of rank {rank}")
+
     def wait_ready(self, timeout: float = 30.0):
         """Wait until every worker has exported its cache and every transfer manager has attached it.
         Raises TransferError as soon as a rank fails, TimeoutError (saying what is missing) at the timeout."""
         deadline = time.monotonic() + timeout
         while not self._all_ready():
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"deployment not ready after {timeout} s: {self._readiness()}")
             time.sleep(0.002)
         return self
 
     def _all_ready(self) -> bool:
-        return (all(self._attached[:self.tp_size]) and bool(self.signals.cache_ready[:self.tp_size].all())
+        return (self._ranks.all_attached(self.tp_size) and bool(self.signals.cache_ready[:self.tp_size].all())
                 and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights.ready())
 
     def _readiness(self) -> str:
         return "; ".join(
             f"rank {r}: cache_ready={int(self.signals.cache_ready[r])} "
             f"swap_space_ready={int(self.signals.swap_space_ready[r])} "
-            f"transfer manager {'attached' if self._attached[r] else 'registered' if self._registered[r] else 'not connected'}"
+            f"transfer manager {self._ranks.connection(r)}"
             + (f" weights exported={int(self.signals.weights_ready[r, 0])} attached={int(self.signals.weights_ready[r, 1])}"
                if self.weight_layout is not None else "")
             for r in range(self.tp_size))
@@ -244,7 +256,7 @@ class SwapBackend(RankSupervision, TaskChannel):
         if status != NORMAL:
             raise RefusedError(f"{what} refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
                                f"(the cache is being cleared, restored or resharded)")
-        self._raise_if_failed()
+        self._ranks.raise_if_failed()
         if not self._all_ready():
             raise RefusedError(f"{what} refused: deployment not ready ({self._readiness()}); call wait_ready()")
         task_id = next(self._task_ids) if slots is None else \
@@ -255,16 +267,13 @@ class SwapBackend(RankSupervision, TaskChannel):
 
     def _new_phase_task(self, kind, nbytes: int) -> TransferHandle:
         """The handle of a task that a phase sends outside NORMAL (a sleep's or a wake's weight copy)."""
-        self._raise_if_failed()
+        self._ranks.raise_if_failed()
         handle = TransferHandle(next(self._task_ids), kind, range(self.tp_size), nbytes)
         handle.add_done_callback(self.counters.record)
         return handle
 
     def _send_task(self, handle, message) -> TransferHandle:
-        with self._handles_lock:
-            self._handles[handle.task_id] = handle
-        self._send_all(message, handle)
-        return handle
+        return self._channel.send_task(handle, message)
 
     def _validate(self, kind, gpu_block_ids, cpu_block_ids):
         gpu_ids = as_ids(gpu_block_ids, "gpu_block_ids")
@@ -390,7 +399,7 @@ class SwapBackend(RankSupervision, TaskChannel):
                 raise TransferError(f"sleep refused: kv_cache_status is {STATUS_NAMES.get(status, status)}")
             if self._resharder.pending is not None:
                 raise TransferError("sleep refused: a reshard is pending")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             deadline = time.monotonic() + timeout
             self.barrier.reset()
             self.signals.status = CLEARING          # refuses new swaps from here on
@@ -417,7 +426,7 @@ class SwapBackend(RankSupervision, TaskChannel):
             if status not in (CLEARED, UPDATING):
                 raise TransferError(f"wake refused: the sleep has not finished (kv_cache_status is "
                                     f"{STATUS_NAMES.get(status, status)}); call sleep({level}) again")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             deadline = time.monotonic() + timeout
             self._restore_phase(deadline, "wake")
             self._weights.restore_resident(level, deadline)
@@ -438,7 +447,7 @@ class SwapBackend(RankSupervision, TaskChannel):
             if self._resharder.pending is not None:
                 raise TransferError("clear refused: a reshard is pending (restart_rank the failed rank, then "
                                     "reshard again)")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             deadline = time.monotonic() + timeout
             self.barrier.reset()
             self.signals.status = CLEARING              # refuses new swaps from here on
@@ -453,7 +462,7 @@ class SwapBackend(RankSupervision, TaskChannel):
         self._wait_signals(lambda: not self.signals.cache_ready.any() and
                            (not release or not self.signals.swap_space_ready.any()) and
                            (not weights or not self.signals.weights_ready.any()), deadline, "release")
-        self._attached = [False] * self.tp_size
+        self._ranks.detach(range(self.tp_size))
         if release:
             self._release_swap_spaces()
         self.allocator.reset()
@@ -469,7 +478,7 @@ class SwapBackend(RankSupervision, TaskChannel):
                                     f"{STATUS_NAMES.get(self.signals.status)}")
             if self.signals.sleep_level[0]:
                 raise TransferError("restore refused: the deployment sleeps; call wake()")
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             self._restore_phase(time.monotonic() + timeout, "restore")
             self.signals.status = NORMAL
 
@@ -482,9 +491,7 @@ class SwapBackend(RankSupervision, TaskChannel):
         self._wait_signals(self._all_ready, deadline, what)
 
     def _drain(self, deadline):
-        with self._handles_lock:
-            pending = list(self._handles.values())
-        for handle in pending:
+        for handle in self._channel.pending_handles():
             try:
                 handle.result(max(0.0, deadline - time.monotonic()))
             except TransferError:
@@ -494,21 +501,19 @@ class SwapBackend(RankSupervision, TaskChannel):
 
     def _run_phase(self, phase, message, deadline):
         """Send a phase to every transfer manager, meet everyone at the barrier, collect the acks."""
-        with self._phase_cond:
-            self._phase_acks[phase] = {}
-        self._send_phase_command(phase, message)
+        channel = self._channel
+        channel.expect_reports(phase)
+        channel.send_phase_command(phase, message)
         try:
             self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
         except BrokenBarrierError as exc:
             self._settle_phase(phase, deadline)
-            failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._failed.items()))
-            raise TransferError(f"{phase} failed: {self._end_phase_command() or exc}{failed}") from None
-        self._end_phase_command()
-        with self._phase_cond:
-            ok = self._phase_cond.wait_for(lambda: len(self._phase_acks[phase]) == self.tp_size or self._failed,
-                                           max(0.0, deadline - time.monotonic()))
-            acks = self._phase_acks.pop(phase)
-        self._raise_if_failed()
+            failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._ranks.failed_ranks.items()))
+            raise TransferError(f"{phase} failed: {channel.end_phase_command() or exc}{failed}") from None
+        channel.end_phase_command()
+        ok, acks, _ = channel.collect_reports(phase, lambda acks: len(acks) == self.tp_size or self._ranks.any_failed(),
+                                              deadline - time.monotonic())
+        self._ranks.raise_if_failed()
         errors = {r: e for r, e in acks.items() if e}
         if errors or not ok:
             detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or \
@@ -523,22 +528,19 @@ class SwapBackend(RankSupervision, TaskChannel):
         (a party that hangs is not waited for: the next attempt names it)."""
         now = time.monotonic()
         until = min(now + 10.0, max(deadline, now + 1.0))
-        lost = set(self._phase_command.lost) if self._phase_command is not None else set()   # will not report
+        lost = self._channel.lost_phase_ranks()     # will not report
 
-        def settled():
-            acks = self._phase_acks.get(phase, {})
-            return all(r in acks or r in lost or r in self._failed or proc is None or proc.poll() is not None
-                       for r, proc in enumerate(self._procs[:self.tp_size]))
-        with self._phase_cond:
-            self._phase_cond.wait_for(settled, max(0.0, until - time.monotonic()))
-            self._phase_acks.pop(phase, None)
+        def settled(acks):
+            return all(r in acks or r in lost or self._ranks.gone(r)
+                       for r in range(min(self.tp_size, self._ranks.size)))
+        self._channel.collect_reports(phase, settled, until - time.monotonic())
         self.barrier.settle(max(0.0, until - time.monotonic()))
 
     def _wait_signals(self, condition, deadline, what, detail=None):
         """Until condition() holds; TransferError naming what is missing (detail(), or every rank's readiness)
         past the deadline."""
         while not condition():
-            self._raise_if_failed()
+            self._ranks.raise_if_failed()
             if time.monotonic() > deadline:
                 raise TransferError(f"{what} timed out: {(detail or self._readiness)()}")
             time.sleep(0.001)
@@ -562,23 +564,16 @@ class SwapBackend(RankSupervision, TaskChannel):
         deadline = time.monotonic() + timeout
         self._resharder.close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
-        if getattr(self, "_io_thread", None) is not None:
-            self._send_all(protocol.encode("stop"))
-        self._stop_processes(grace=max(0.5, deadline - time.monotonic()))
+        self._ranks.begin_close()
+        if self._channel.serving:
+            self._channel.send_all(protocol.encode("stop"))
+        self._ranks.stop(grace=max(0.5, deadline - time.monotonic()))
         # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited. A
         # backend refused at start (the suffix belongs to a live deployment) created nothing: the workers
         # in this process are the running deployment's, not its own
         if self.signals is not None:
             close_local_workers(self.suffix)
-        if getattr(self, "_io_thread", None) is not None:
-            self._io_stop.set()
-            self._io_thread.join()
-        self._fail_pending("the backend was closed")
-        for sock in [getattr(self, "_router", None)] + getattr(self, "_task_pushes", []):
-            if sock is not None:
-                sock.close(0)
-        if hasattr(self, "_context"):
-            self._context.term()
+        self._channel.close("the backend was closed")
         self._release_swap_spaces()
         self._weights.release_regions()
         self._resharder.close()
@@ -630,63 +625,50 @@ class _ReshardHost:
 
     def expect_reports(self, phase):
         """Collect the ranks' reports of `phase` from now on (before it is sent: a fast report is kept)."""
-        b = self._b
-        with b._phase_cond:
-            b._phase_acks[phase] = {}
-            b._copy_seconds.clear()
+        self._b._channel.expect_reports(phase, copies=True)
 
     def collect_reports(self, phase, ranks, deadline) -> tuple[dict, dict]:
         """Until every rank in `ranks` has reported `phase`, one of them has failed, or the deadline: the reports
         ({rank: error or None}) and the ranks' copy seconds; stops collecting."""
-        b = self._b
-        with b._phase_cond:
-            acks = b._phase_acks[phase]
-            b._phase_cond.wait_for(lambda: set(ranks) <= set(acks) or any(r in b._failed for r in ranks),
-                                   max(0.0, deadline - time.monotonic()))
-            got, copies = dict(acks), dict(b._copy_seconds)
-            b._phase_acks.pop(phase, None)
+        supervisor = self._b._ranks
+        _, got, copies = self._b._channel.collect_reports(
+            phase, lambda acks: set(ranks) <= set(acks) or supervisor.any_failed(ranks), deadline - time.monotonic())
         return got, copies
 
     # -- the ranks' processes and pipes ------------------------------------------------------------
     def spawn(self, rank, spec, tp, device_id, weights):
-        self._b._spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
+        self._b._ranks.spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
 
     def registered(self, rank) -> bool:
-        return self._b._registered[rank]
+        return self._b._ranks.registered(rank)
 
     def pid(self, rank) -> int:
-        return self._b._procs[rank].pid
+        return self._b._ranks.pid(rank)
 
     def send_to(self, rank, message) -> bool:
-        return self._b._send_to(rank, message)
+        return self._b._channel.send_to(rank, message)
 
     def check_exit(self, rank) -> bool:
-        return self._b._check_exit(rank)
+        return self._b._ranks.check_exit(rank)
 
     def take_out(self, rank):
         """Rank's process, taken out of service so that supervision does not report its (planned) exit."""
-        b = self._b
-        proc, b._procs[rank] = b._procs[rank], None
-        b._failed.pop(rank, None)
-        b._attached[rank] = b._registered[rank] = False
-        return proc
+        return self._b._ranks.take_out(rank)
 
     def detach(self, ranks):
         """These ranks attach their caches again before they are ready."""
-        for r in ranks:
-            self._b._attached[r] = False
+        self._b._ranks.detach(ranks)
 
     # -- the ranks' lists and CPU tiers ------------------------------------------------------------
     def add_ranks(self, tp):
         """Room for ranks up to tp (a scale-out's new ones), none in service yet."""
         b = self._b
-        grow = tp - len(b._procs)
+        b._ranks.grow(tp)
+        grow = tp - len(b._swap_segments)
         if grow > 0:
-            b._procs, b._registered = b._procs + [None] * grow, b._registered + [False] * grow
-            b._attached, b._swap_segments = b._attached + [False] * grow, b._swap_segments + [None] * grow
+            b._swap_segments = b._swap_segments + [None] * grow
         b.signals.resize(tp)
-        with b._submit_lock:         # _spawn binds the new ranks' task sockets
-            b._task_pushes = b._task_pushes + [None] * (tp - len(b._task_pushes))
+        b._channel.add_pipes(tp)        # the rank supervisor's spawn binds the new ranks' task sockets
 
     def create_cpu_tier(self, rank, spec):
         b = self._b
@@ -697,10 +679,7 @@ class _ReshardHost:
     def drop_rank(self, rank):
         """A retired rank's task pipe and CPU tier go."""
         b = self._b
-        with b._submit_lock:
-            push, b._task_pushes[rank] = b._task_pushes[rank], None
-            if push is not None:
-                push.close(0)
+        b._channel.drop_pipe(rank)
         seg, b._swap_segments[rank] = b._swap_segments[rank], None
         if seg is not None:
             seg.close()
@@ -709,13 +688,12 @@ class _ReshardHost:
         """Ranks below tp only (a commit's or a rollback's): a rank from tp on that still has a pipe or a CPU
         tier (one a failed scale-out made before its rank started) loses it too."""
         b = self._b
-        for r in range(tp, len(b._procs)):
-            b._procs[r] = None                  # retired: None already; supervision sees None
-            if (r < len(b._task_pushes) and b._task_pushes[r] is not None) or b._swap_segments[r] is not None:
+        b._ranks.keep(tp)                       # retired: None already; supervision sees None
+        for r in range(tp, len(b._swap_segments)):
+            if b._channel.has_pipe(r) or b._swap_segments[r] is not None:
                 self.drop_rank(r)
-        b._procs, b._registered = b._procs[:tp], b._registered[:tp]
-        b._attached, b._swap_segments = b._attached[:tp], b._swap_segments[:tp]
-        b._task_pushes = b._task_pushes[:tp]
+        b._swap_segments = b._swap_segments[:tp]
+        b._channel.keep_pipes(tp)
         b.signals.resize(tp)
 
     def take_geometry(self, spec, tp, device_ids):

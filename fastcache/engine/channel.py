@@ -2,9 +2,13 @@
 ranks' task pipes (under a lock, in submission order); one I/O thread reads the replies, completes the
 handles rank by rank, records phase acknowledgements, and calls supervision every 100 ms.
 
-A mixin of SwapBackend. The state it owns: `_context`, `_router`, `_task_pushes`, `_handles`,
-`_phase_acks`, `_phase_command`, `_warned` and the I/O thread; replies are accepted only from the process
-supervision spawned for a rank.
+TaskChannel is a part SwapBackend owns, the one owner of the pipes and what travels on them: the zmq context,
+the reply socket and each rank's task socket, the submit lock, the numbers sent and the tasks not yet received,
+the handles in flight, the ranks' phase reports and the phase command being watched, and the I/O thread. The
+ranks' processes are the rank supervisor's (engine/ranks.py), reached through its public methods: replies are
+accepted only from the process it spawned for a rank; it asks the channel for a new process's task pipe
+(open_pipe), to fail a rank's tasks (fail_rank_tasks) and to wake the phases (wake). A reshard grows, shrinks
+and retires the task pipes through add_pipes, drop_pipe and keep_pipes (the backend's _ReshardHost).
 
 A phase command that another process takes off a rank's task pipe would leave the phase waiting for its
 whole timeout: until each rank has read it, the I/O thread sends that rank a numbered no-op (`ping`) every
@@ -14,14 +18,16 @@ breaks the phase barrier at once, naming the pipe (docs/design.md §12).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import zmq
 
 from ..ipc import protocol
 from ..ipc.barrier import transfer_party
-from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, identity_rank, signed, verified
+from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, bind_replies, bind_tasks, identity_rank, signed, verified
 
 log = logging.getLogger("fastcache.engine")
 
@@ -43,8 +49,176 @@ class PhaseCommand:
 
 
 class TaskChannel:
-    replies_read = 0        # messages the I/O thread has taken off the reply socket, dropped ones included
-    _phase_command: PhaseCommand | None = None      # the phase command being watched (_send_phase_command)
+    """The engine's pipes to its transfer managers and the I/O thread that reads their replies.
+
+    token signs every message; settings gives the transfer timeout; signals() and barrier() are the deployment's
+    (made at start); ranks is the RankSupervisor; closed() says the deployment is closing (supervision stops)."""
+
+    def __init__(self, token: bytes, settings, signals: Callable, barrier: Callable, ranks, closed: Callable[[], bool]):
+        self._token, self._settings = token, settings
+        self._signals, self._barrier, self._ranks, self._closed = signals, barrier, ranks, closed
+        self.replies_read = 0       # messages the I/O thread has taken off the reply socket, dropped ones included
+        self._submit_lock = threading.Lock()        # the task sockets (zmq's are not thread-safe), numbers, order
+        self._handles: dict = {}                    # task id -> TransferHandle of the tasks in flight
+        self._handles_lock = threading.Lock()
+        self._phase_cond = threading.Condition()    # the phase reports; woken by each and by a rank's failure
+        self._phase_acks: dict[str, dict[int, str | None]] = {}
+        self._copy_seconds: dict[int, tuple] = {}   # rank -> its last reshard move's (copy, weights) seconds
+        self._phase_command: PhaseCommand | None = None     # the phase command being watched
+        self._sent_seq: dict[int, int] = {}         # rank -> number of the last message sent to its process
+        self._unreceived: dict[int, dict[int, tuple]] = {}    # rank -> seq -> (handle, sent at) of tasks
+        self._warned: set = set()
+        self._context = self._router = self._io_thread = None
+        self._task_pushes: list = []                # bound by open_pipe, one socket per process
+        self._io_stop = threading.Event()
+
+    # -- start and close ---------------------------------------------------------------------------
+    def start(self, socket_dir: str, tp: int):
+        """Bind the reply socket in socket_dir, room for tp task pipes, and start the I/O thread."""
+        self._socket_dir = socket_dir
+        self._context = zmq.Context()
+        self._router = bind_replies(self._context, socket_dir)
+        self._task_pushes = [None] * tp
+        self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
+        self._io_thread.start()
+
+    @property
+    def serving(self) -> bool:
+        """The I/O thread was started (close stops it)."""
+        return self._io_thread is not None
+
+    def close(self, why: str):
+        """Stop the I/O thread, fail every task still in flight with why, close the sockets."""
+        if self._io_thread is not None:
+            self._io_stop.set()
+            self._io_thread.join()
+        self.fail_pending(why)
+        for sock in [self._router] + self._task_pushes:
+            if sock is not None:
+                sock.close(0)
+        if self._context is not None:
+            self._context.term()
+
+    # -- the task pipes ----------------------------------------------------------------------------
+    def open_pipe(self, rank, incarnation):
+        """A new process for rank (the rank supervisor's spawn): its own task socket, bound here; from now on
+        nothing sent for rank can reach an earlier process's pipe, and the numbers start again from 1."""
+        with self._submit_lock:
+            old, self._task_pushes[rank] = self._task_pushes[rank], bind_tasks(
+                self._context, self._socket_dir, rank, incarnation)
+            if old is not None:
+                old.close(0)
+            self._sent_seq[rank], self._unreceived[rank] = 0, {}
+            self._signals().task_received[rank] = 0
+
+    def add_pipes(self, tp):
+        """Room for the task pipes of ranks up to tp (a scale-out's new ones, bound by open_pipe)."""
+        with self._submit_lock:
+            self._task_pushes = self._task_pushes + [None] * (tp - len(self._task_pushes))
+
+    def has_pipe(self, rank) -> bool:
+        pushes = self._task_pushes
+        return rank < len(pushes) and pushes[rank] is not None
+
+    def drop_pipe(self, rank):
+        """A retired rank's task pipe goes."""
+        with self._submit_lock:
+            push, self._task_pushes[rank] = self._task_pushes[rank], None
+            if push is not None:
+                push.close(0)
+
+    def keep_pipes(self, tp):
+        """The pipes of ranks below tp only (the others were dropped)."""
+        with self._submit_lock:
+            self._task_pushes = self._task_pushes[:tp]
+
+    # -- tasks in flight ---------------------------------------------------------------------------
+    def send_task(self, handle, message):
+        """Send a task to every rank its handle waits for, the handle in flight until every rank has answered."""
+        with self._handles_lock:
+            self._handles[handle.task_id] = handle
+        self.send_all(message, handle)
+        return handle
+
+    def pending_handles(self) -> list:
+        with self._handles_lock:
+            return list(self._handles.values())
+
+    def fail_rank_tasks(self, rank, why):
+        """Every task still waiting for rank fails there (the rank supervisor took it out of service)."""
+        handles = self.pending_handles()
+        for handle in handles:
+            handle.rank_finished(rank, why, lost=True)
+        self._forget_done(handles)
+
+    def fail_pending(self, why):
+        with self._handles_lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for handle in handles:
+            for rank in handle.pending_ranks():
+                handle.rank_finished(rank, why, lost=True)
+
+    def _forget_done(self, handles):
+        with self._handles_lock:
+            for handle in handles:
+                if handle.done():
+                    self._handles.pop(handle.task_id, None)
+
+    # -- phase reports ------------------------------------------------------------------------------
+    def wake(self):
+        """Whoever waits on the ranks' reports looks again (a rank failed)."""
+        with self._phase_cond:
+            self._phase_cond.notify_all()
+
+    def expect_reports(self, phase, copies: bool = False):
+        """Collect the ranks' reports of `phase` from now on (before it is sent: a fast report is kept); copies:
+        forget the copy seconds of earlier moves too."""
+        with self._phase_cond:
+            self._phase_acks[phase] = {}
+            if copies:
+                self._copy_seconds.clear()
+
+    def collect_reports(self, phase, done: Callable[[dict], bool], timeout: float) -> tuple[bool, dict, dict]:
+        """Until done(reports so far) or the timeout: whether done held, the reports ({rank: error or None})
+        and the ranks' copy seconds; stops collecting `phase`."""
+        with self._phase_cond:
+            acks = self._phase_acks.get(phase, {})
+            ok = self._phase_cond.wait_for(lambda: done(acks), max(0.0, timeout))
+            got, copies = dict(acks), dict(self._copy_seconds)
+            self._phase_acks.pop(phase, None)
+        return ok, got, copies
+
+    def _watch_unreceived(self):
+        """A task its transfer manager has not read within the transfer timeout fails on that rank (another
+        process of the user took it off the pipe, or the pipe is gone); so do tasks the rank reports lost."""
+        now, limit = time.monotonic(), self._settings.transfer_timeout
+        wall = time.time()
+        late = []
+        signals = self._signals()
+        with self._submit_lock:
+            for rank, pending in self._unreceived.items():
+                if rank >= len(signals.task_received):
+                    continue
+                received = int(signals.task_received[rank])
+                beating = wall - float(signals.transfer_heartbeat[rank]) < limit
+                for seq, (handle, sent) in list(pending.items()):
+                    if not handle.waits_for(rank):
+                        del pending[seq]
+                    elif seq > received and now - sent > limit and beating:     # a silent one: heartbeats
+                        del pending[seq]
+                        late.append((handle, rank))
+        for handle, rank in late:
+            self._finish(handle, rank, f"its transfer manager did not receive the task within {limit:.0f} s "
+                                       f"(another process reading rank {rank}'s task pipe?)")
+
+    def _lost_messages(self, rank, first, last):
+        with self._submit_lock:
+            pending = self._unreceived.get(rank, {})
+            lost = [pending.pop(seq)[0] for seq in range(first, last + 1) if seq in pending]
+        self._warn_once(("lost", rank), f"rank {rank}: messages {first}..{last} never reached its transfer manager: "
+                                        f"another process is reading its task pipe")
+        for handle in lost:
+            self._finish(handle, rank, "another process took the task off its task pipe (it never arrived)")
 
     def _serve(self):
         poller = zmq.Poller()
@@ -59,43 +233,47 @@ class TaskChannel:
                     except zmq.Again:
                         break
                     try:
-                        self._on_reply(frames)
+                        self.on_reply(frames)
                     except Exception as exc:        # no single message may end this thread
                         self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
                     self.replies_read += 1
             if time.monotonic() >= next_watch:
-                self._watch_ranks()
+                if not self._closed():
+                    self._ranks.watch()
+                    self._watch_unreceived()        # after the heartbeats: a silent process is named as such
                 self._watch_phase_command()
                 next_watch = time.monotonic() + 0.1
 
-    def _send_all(self, message, handle=None):
+    def send_all(self, message, handle=None):
         """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
         the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
         handle may be done and its blocks reused, and a new process must not copy them late. (The check is
-        sound under the lock: restart_rank fails the old process's tasks before _spawn takes the lock.)"""
+        sound under the lock: restart_rank fails the old process's tasks before open_pipe takes the lock.)"""
         with self._submit_lock:
             for rank, push in enumerate(self._task_pushes):
                 if push is None:        # a rank a reshard is adding or retiring
                     continue
                 if handle is not None and not handle.waits_for(rank):
                     continue
-                if rank in self._failed:
-                    self._finish(handle, rank, self._failed[rank], lost=True)
+                why = self._ranks.why_failed(rank)
+                if why is not None:
+                    self._finish(handle, rank, why, lost=True)
                     continue
-                if not self._deliver(rank, push, message, command=handle is None, handle=handle):
-                    self._check_exit(rank)
-                    self._finish(handle, rank, self._failed.get(rank, "transfer manager not connected"), lost=True)
+                if not self.deliver(rank, push, message, command=handle is None, handle=handle):
+                    self._ranks.check_exit(rank)
+                    self._finish(handle, rank, self._ranks.why_failed(rank) or "transfer manager not connected",
+                                 lost=True)
 
-    def _send_phase_command(self, phase: str, message):
-        """Send a phase command to every rank (as _send_all) and watch that each reads it."""
+    def send_phase_command(self, phase: str, message):
+        """Send a phase command to every rank (as send_all) and watch that each reads it."""
         with self._submit_lock:
             before = dict(self._sent_seq)
-        self._send_all(message)
+        self.send_all(message)
         with self._submit_lock:         # no task is sent during a phase: the next number is the command's
             seqs = {r: before.get(r, 0) + 1 for r, seq in self._sent_seq.items() if seq > before.get(r, 0)}
         self._phase_command = PhaseCommand(phase, seqs, time.monotonic())
 
-    def _end_phase_command(self) -> str | None:
+    def end_phase_command(self) -> str | None:
         """The phase is over: stop watching its command. Returns why the phase broke if a rank's command was
         taken off its pipe, else None."""
         command, self._phase_command = self._phase_command, None
@@ -106,13 +284,18 @@ class TaskChannel:
                 f"rank's task pipe (a process of this user reading it); once that reader is gone, the same call "
                 f"again finishes the phase")
 
+    def lost_phase_ranks(self) -> set:
+        """The ranks whose phase command another process took off their pipe (they will not report the phase)."""
+        command = self._phase_command
+        return set(command.lost) if command is not None else set()
+
     def _watch_phase_command(self):
         """I/O thread: ping each rank that has not read the phase command yet (see the module docstring)."""
         command = self._phase_command
         if command is None or command.lost:
             return
         now = time.monotonic()
-        received = self.signals.task_received
+        received = self._signals().task_received
         for rank, seq in command.seqs.items():
             if rank not in command.read and rank < len(received) and int(received[rank]) >= seq:
                 command.read.add(rank)
@@ -121,9 +304,9 @@ class TaskChannel:
             return
         command.pings, command.last_ping = command.pings + 1, now
         for rank in unread:
-            self._ping(rank)
+            self.ping(rank)
 
-    def _ping(self, rank):
+    def ping(self, rank):
         """A numbered no-op for rank's pipe, sent only if the pipe takes it at once (the I/O thread never waits)."""
         with self._submit_lock:
             push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
@@ -141,17 +324,17 @@ class TaskChannel:
         command.lost.append(rank)
         log.warning("rank %d: the %s command was taken off its task pipe by another process; the phase fails now",
                     rank, command.phase)
-        self.barrier.abort(transfer_party(rank))
+        self._barrier().abort(transfer_party(rank))
         with self._phase_cond:
             self._phase_cond.notify_all()
 
-    def _send_to(self, rank, message) -> bool:
+    def send_to(self, rank, message) -> bool:
         """Deliver a command to one rank; False if no transfer manager is connected to its pipe."""
-        with self._submit_lock:         # zmq sockets are not thread-safe, and _spawn replaces them
+        with self._submit_lock:         # zmq sockets are not thread-safe, and open_pipe replaces them
             push = self._task_pushes[rank] if rank < len(self._task_pushes) else None
-            return push is not None and self._deliver(rank, push, message, command=True)
+            return push is not None and self.deliver(rank, push, message, command=True)
 
-    def _deliver(self, rank, push, message, command: bool, handle=None) -> bool:
+    def deliver(self, rank, push, message, command: bool, handle=None) -> bool:
         """Send on rank's task pipe (under _submit_lock), numbered and signed; False if no transfer manager is
         connected to it.
         A command for a process that has registered (through the reply socket) but whose pipe zmq has not
@@ -162,9 +345,8 @@ class TaskChannel:
         if self._try_send(push, message):
             self._sent(rank, seq, handle)
             return True
-        proc = self._procs[rank] if command and rank < len(self._procs) else None
         deadline = time.monotonic() + PIPE_TIMEOUT
-        while proc is not None and self._registered[rank] and proc.poll() is None and time.monotonic() < deadline:
+        while command and self._ranks.awaits_pipe(rank) and time.monotonic() < deadline:
             time.sleep(0.001)
             if self._try_send(push, message):
                 self._sent(rank, seq, handle)
@@ -197,11 +379,10 @@ class TaskChannel:
             handle = self._handles.get(task_id)
         self._finish(handle, rank, error, **report)
 
-    def _on_reply(self, frames):
+    def on_reply(self, frames):
         who = identity_rank(frames[0]) if len(frames) > 1 else None      # (rank, pid) or None
         rank = who[0] if who else None
-        procs = self._procs        # during a reshard, ranks above tp_size are in service too
-        if rank is None or not 0 <= rank < len(procs) or procs[rank] is None or who[1] != procs[rank].pid:
+        if rank is None or not self._ranks.is_current(rank, who[1]):    # in a reshard, ranks of both tps
             self._warn_once(("identity",), f"message from unknown peer {frames[0][:32]!r} dropped")
             return
         body = verified(self._token, TO_ENGINE, frames[1:])
@@ -216,7 +397,7 @@ class TaskChannel:
             return
         kind = header["type"]
         if kind == "register":
-            self._registered[rank] = True
+            self._ranks.on_registered(rank)
         elif kind == "done":
             self._reply_for(header["task_id"], rank, nbytes=header["nbytes"], skipped=header["skipped"],
                             seconds=header["seconds"])
@@ -225,9 +406,9 @@ class TaskChannel:
         elif kind in ("phase_done", "phase_failed"):
             if header["phase"] == "attach":
                 if kind == "phase_failed":      # a device error: out of service until restart_rank
-                    self._mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
+                    self._ranks.mark_failed(rank, f"transfer manager (pid {who[1]}) could not attach its cache: "
                                             f"{header.get('error')}")
-                self._attached[rank] = kind == "phase_done"
+                self._ranks.on_attached(rank, kind == "phase_done")
                 return
             with self._phase_cond:
                 acks = self._phase_acks.get(header["phase"])

@@ -1,0 +1,130 @@
+"""The task channel on its own (engine/channel.py): it reaches the ranks only through the rank supervisor's
+public methods and the deployment through the callables its constructor is given, so stand-ins for them, and
+for the task sockets, exercise it without a deployment."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import zmq
+
+from fastcache.engine.channel import TaskChannel
+from fastcache.engine.handle import TransferHandle
+from fastcache.ipc import protocol
+from fastcache.ipc.queue import SEQ, TO_ENGINE, TO_RANK, rank_identity, signed, verified
+
+TOKEN = bytes(range(16))
+
+
+class Ranks:
+    """The rank supervisor as the channel sees it: rank r's process has pid 100 + r."""
+
+    def __init__(self):
+        self.failed, self.registered, self.attached, self.exit_checks = {}, set(), {}, []
+
+    def why_failed(self, rank):
+        return self.failed.get(rank)
+
+    def check_exit(self, rank):
+        self.exit_checks.append(rank)
+        return False
+
+    def is_current(self, rank, pid):
+        return pid == 100 + rank
+
+    def awaits_pipe(self, rank):
+        return False
+
+    def on_registered(self, rank):
+        self.registered.add(rank)
+
+    def on_attached(self, rank, attached):
+        self.attached[rank] = attached
+
+    def mark_failed(self, rank, why, **_):
+        self.failed[rank] = why
+
+
+class Push:
+    """A rank's task socket: takes every message, or refuses them all (no transfer manager connected)."""
+
+    def __init__(self, refuses=False):
+        self.sent, self.refuses = [], refuses
+
+    def send_multipart(self, message, flags=0):
+        if self.refuses:
+            raise zmq.Again()
+        self.sent.append(message)
+
+
+def channel_of(pushes):
+    ranks = Ranks()
+    signals = SimpleNamespace(task_received=np.zeros(len(pushes)), transfer_heartbeat=np.zeros(len(pushes)))
+    channel = TaskChannel(TOKEN, SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: None, ranks,
+                          lambda: False)
+    channel._task_pushes = list(pushes)     # as open_pipe binds them
+    return channel, ranks
+
+
+def reply(rank, kind, **fields):
+    return [rank_identity(rank, 100 + rank)] + signed(TOKEN, TO_ENGINE, protocol.encode(kind, rank=rank, **fields))
+
+
+def test_a_task_goes_to_every_rank_numbered_and_signed_and_its_handle_completes_on_their_replies():
+    pushes = [Push(), Push()]
+    channel, _ = channel_of(pushes)
+    handle = channel.send_task(TransferHandle(7, protocol.SWAP_TO_CPU, range(2), 0), protocol.encode("ping"))
+    for push in pushes:
+        [message] = push.sent
+        body = verified(TOKEN, TO_RANK, message)
+        assert body is not None and SEQ.unpack(body[0]) == (1,)
+    assert channel.pending_handles() == [handle]
+    for rank in range(2):
+        channel.on_reply(reply(rank, "done", task_id=7, nbytes=0, skipped=0, seconds=0.0))
+    assert handle.done() and handle.error is None and channel.pending_handles() == []
+    assert channel.replies_read == 0        # counted by the I/O thread, not by on_reply
+
+
+def test_a_failed_rank_or_a_pipe_without_a_process_fails_the_task_there_without_sending_it():
+    pushes = [Push(), Push(refuses=True)]
+    channel, ranks = channel_of(pushes)
+    ranks.failed[0] = "rank 0 is gone"
+    handle = channel.send_task(TransferHandle(3, protocol.SWAP_TO_CPU, range(2), 0), protocol.encode("ping"))
+    assert pushes[0].sent == [] and ranks.exit_checks == [1]
+    assert handle.done() and "rank 0 is gone" in handle.error and "not connected" in handle.error
+    assert channel.pending_handles() == []
+
+
+def test_replies_from_a_process_not_spawned_for_the_rank_or_unsigned_are_dropped():
+    channel, ranks = channel_of([Push()])
+    channel.on_reply([rank_identity(0, 999)] + signed(TOKEN, TO_ENGINE, protocol.encode("register", rank=0, pid=999)))
+    channel.on_reply([rank_identity(0, 100)] + signed(bytes(16), TO_ENGINE, protocol.encode("register", rank=0,
+                                                                                           pid=100)))
+    assert ranks.registered == set()
+    channel.on_reply(reply(0, "register", pid=100))
+    assert ranks.registered == {0}
+
+
+def test_phase_reports_are_collected_until_done_and_a_failing_rank_wakes_the_waiter():
+    channel, _ = channel_of([Push(), Push()])
+    channel.expect_reports("clear")
+    channel.on_reply(reply(0, "phase_done", phase="clear", copy_seconds=1.5, weights_seconds=0.5))
+    channel.on_reply(reply(1, "phase_done", phase="other", copy_seconds=0.0, weights_seconds=0.0))   # not expected
+    failed = threading.Event()
+    waker = threading.Timer(0.2, lambda: (failed.set(), channel.wake()))
+    waker.start()
+    ok, acks, copies = channel.collect_reports("clear", lambda acks: len(acks) == 2 or failed.is_set(), 10.0)
+    waker.join()
+    assert ok and acks == {0: None} and copies == {0: (1.5, 0.5)}
+    ok, acks, _ = channel.collect_reports("clear", lambda acks: False, 0.0)     # no longer collected
+    assert not ok and acks == {}
+
+
+def test_fail_rank_tasks_fails_each_task_on_that_rank_only():
+    channel, _ = channel_of([Push(), Push()])
+    one = channel.send_task(TransferHandle(1, protocol.SWAP_TO_CPU, range(2), 0), protocol.encode("ping"))
+    channel.fail_rank_tasks(1, "restarted")
+    assert not one.done() and list(one.pending_ranks()) == [0] and channel.pending_handles() == [one]
+    channel.fail_pending("closed")
+    assert one.done() and "closed" in one.error and channel.pending_handles() == []
