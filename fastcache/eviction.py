@@ -29,6 +29,23 @@ from operator import itemgetter
 DEFAULT_POLICY = "probation"
 
 
+def take_oldest(entries: OrderedDict, n: int, skip=None) -> list:
+    """Up to n of entries' first (oldest) keys for which skip(key) is not true, taken out of entries."""
+    if n <= 0:
+        return []
+    if skip is None:
+        taken = list(islice(entries, n))
+    else:
+        taken = []
+        for key in entries:
+            if not skip(key):
+                taken.append(key)
+                if len(taken) == n:
+                    break
+    deque(map(entries.__delitem__, taken), maxlen=0)
+    return taken
+
+
 class LruPolicy:
     """Least recently used first; a call refreshes its keys from last to first (its head most recent)."""
 
@@ -55,19 +72,7 @@ class LruPolicy:
         deque(map(self._order.move_to_end, reversed(keys)), maxlen=0)
 
     def victims(self, n, skip=None):
-        order = self._order
-        if skip is None:
-            out = list(islice(order, n))
-            deque(map(order.__delitem__, out), maxlen=0)
-            return out
-        out = []
-        for key in order:
-            if len(out) == n:
-                break
-            if not skip(key):
-                out.append(key)
-        deque(map(order.__delitem__, out), maxlen=0)
-        return out
+        return take_oldest(self._order, n, skip)
 
     def remove(self, key):
         self._order.pop(key, None)
@@ -341,17 +346,7 @@ class PrefixPolicy:
             if need <= 0:
                 break
             bucket = buckets[number]
-            if skip is None:
-                run = list(islice(bucket, need))
-            else:
-                run = []
-                for key in bucket:
-                    if not skip(key):
-                        run.append(key)
-                        if len(run) == need:
-                            break
-            deque(map(bucket.__delitem__, run), maxlen=0)
-            out += run
+            out += take_oldest(bucket, need, skip)
             if not bucket and emptied == i:
                 emptied += 1                    # a leading empty bucket: dropped below
         for number in numbers[:emptied]:
@@ -500,27 +495,12 @@ class ProbationPolicy:
             self._last_read = keys[-1]
             self._protect(keys)
 
-    @staticmethod
-    def _take(part, n, skip):
-        """up to n of part's least recent keys that skip allows, out of part"""
-        if skip is None:
-            taken = list(islice(part, n))
-        else:
-            taken = []
-            for key in part:
-                if not skip(key):
-                    taken.append(key)
-                    if len(taken) == n:
-                        break
-        deque(map(part.__delitem__, taken), maxlen=0)
-        return taken
-
     def victims(self, n, skip=None):
         prob, prot = self._probation, self._protected
         over = len(prot) - int(self.capacity - self._room)
-        first = self._take(prot, min(n, over), skip) if over > 0 and n > 0 else []
-        taken = self._take(prob, n - len(first), skip) if n > len(first) else []
-        rest = self._take(prot, n - len(first) - len(taken), skip) if n > len(first) + len(taken) else []
+        first = take_oldest(prot, min(n, over), skip)       # protected beyond its room goes first
+        taken = take_oldest(prob, n - len(first), skip)
+        rest = take_oldest(prot, n - len(first) - len(taken), skip)
         ghosts = self._ghosts
         if taken:
             ghosts.update(zip(taken, repeat(True)))

@@ -78,8 +78,24 @@ class Thief:
             self.backend._channel.ping(0)
 
     def close(self):
+        """Close the thief's end, then wait until the engine's socket has dropped its pipe: zmq learns of the
+        disconnect on its own I/O thread, and until then the round robin may deal a message to the dead pipe.
+        Gone once two numbered no-ops in a row each reach the transfer manager (the round robin alternates, so
+        a pipe still in it would take one of them)."""
         self.sock.close(0)
         self.context.term()
+        backend = self.backend
+
+        def reaches_the_transfer_manager():
+            backend._channel.ping(0)
+            seq = backend._channel._sent_seq[0]
+            try:
+                wait_for(lambda: int(backend.signals.task_received[0]) >= seq, 1, "a no-op")
+            except AssertionError:
+                return False
+            return True
+        wait_for(lambda: reaches_the_transfer_manager() and reaches_the_transfer_manager(), 10,
+                 "the thief's pipe dropped by the engine's socket")
 
 
 def _stolen_phase_fails_at_once(call, phase):
