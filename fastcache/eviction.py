@@ -511,13 +511,16 @@ class ProbationPolicy:
         return first + taken + rest
 
     def remove(self, key):
-        if self._probation.pop(key, True) is True:
+        if key in self._probation:
+            del self._probation[key]
+        else:
             self._protected.pop(key, None)
 
     def clear(self):
         for part in (self._probation, self._protected, self._ghosts, self._old_ghosts):
             part.clear()
         self._room, self._last_read = 0.0, None
+
 
 POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "prefix": PrefixPolicy, "probation": ProbationPolicy}
 
