@@ -28,6 +28,7 @@ class LocalCache(ABC):
     """A rank's cache as its worker holds it: framework tensors plus the manifest that exports them."""
     tensors: dict          # tensor name -> framework tensor
     manifest: list         # JSON-able descriptor per tensor, in CacheSpec.tensors() order
+    fd_exports = None      # cuda, virtual memory: a VmmExports whose descriptors the worker serves (§2)
 
     @abstractmethod
     def release(self):

@@ -4,6 +4,7 @@ between them (cuda_copiers)."""
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 from cuda.bindings import runtime
@@ -11,7 +12,9 @@ from cuda.bindings import runtime
 from ..config import CacheSpec, Settings
 from .base import AttachedCache, DeviceOps, LocalCache, check_adopted
 from .cuda_copiers import dma_runs, make_copier
+from ..ipc.fds import fetch_fds
 from .cuda_ipc import OpenAllocations, check_entry, export_tensors
+from .cuda_vmm import VmmExports, VmmImports
 from .cuda_kernels import cuda_check, set_device
 from .cuda_swap_space import CudaSwapSpace
 from .frameworks import allocator_memory, check_framework, device_pointer, empty_device, free_cached
@@ -72,6 +75,7 @@ class CudaAttachedCache(DeviceTensors):
         super().__init__(infos, [], devices.pop())
         self._open = OpenAllocations(self.device_id)
         try:
+            self._open.vmm = import_descriptors(manifest, self.device_id)
             for entry, info in zip(manifest, infos):
                 check_entry(entry, info)
                 self.pointers.append(self._open.address(entry))
@@ -84,6 +88,38 @@ class CudaAttachedCache(DeviceTensors):
         self._open.close()
 
 
+def import_descriptors(manifest: list, device_id: int) -> VmmImports | None:
+    """The virtual-memory allocations a manifest names, their descriptors fetched from the exporting worker's
+    socket (every entry names the same one: "socket", "pid", "count") and imported; None if it names none."""
+    served = {(e["vmm"].get("socket"), e["vmm"].get("pid"), e["vmm"].get("count"))
+              for e in manifest if isinstance(e.get("vmm"), dict)}
+    if not served:
+        return None
+    if len(served) != 1:
+        raise ValueError(f"manifest names {len(served)} descriptor sockets; a worker serves one")
+    path, pid, count = served.pop()
+    if not (isinstance(path, str) and isinstance(pid, int) and isinstance(count, int) and count > 0):
+        raise ValueError("manifest's virtual-memory exports name no valid descriptor socket")
+    header, fds = fetch_fds(path, pid, count)
+    sizes = header.get("sizes")
+    if not isinstance(sizes, list) or len(sizes) != count or not all(isinstance(n, int) and n > 0 for n in sizes):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"descriptor socket {path} sent no valid allocation sizes")
+    return VmmImports(fds, sizes, device_id)
+
+
+def export_cache(infos: list, pointers: list, device_id: int):
+    """(manifest, VmmExports or None): the tensors exported by CUDA IPC, virtual-memory ones as descriptors."""
+    vmm = VmmExports()
+    try:
+        manifest = export_tensors(infos, pointers, device_id, vmm)
+    except BaseException:
+        vmm.close()
+        raise
+    return manifest, (vmm if vmm.fds else None)
+
+
 class CudaLocalCache(LocalCache):
     def __init__(self, spec: CacheSpec, rank: int, device_id: int, framework: str):
         self.framework, self.device_id = framework, device_id
@@ -91,13 +127,14 @@ class CudaLocalCache(LocalCache):
         set_device(device_id)
         self.tensors = {info.name: empty_device(framework, info.shape, info.dtype, device_id) for info in self.infos}
         self.pointers = [device_pointer(self.tensors[info.name]) for info in self.infos]
-        self.manifest = export_tensors(self.infos, self.pointers, device_id)
+        self.manifest, self.fd_exports = export_cache(self.infos, self.pointers, device_id)
 
     def view(self) -> DeviceTensors:
         """The tensors as a copier sees them, in this process (a handle cannot be opened where it was made)."""
         return DeviceTensors(self.infos, list(self.pointers), self.device_id)
 
     def release(self):
+        close_exports(self)
         self.tensors, self.pointers = {}, []
         self.bases = self.base_bytes = None      # a reshard's bases (cuda_reshard.reshape) hold the memory too
         gc.collect()
@@ -113,10 +150,17 @@ class CudaAdoptedCache(LocalCache):
         check_adopted(self.infos, tensors)
         self.tensors = dict(tensors)
         self.pointers = [device_pointer(self.tensors[info.name]) for info in self.infos]
-        self.manifest = export_tensors(self.infos, self.pointers, device_id)
+        self.manifest, self.fd_exports = export_cache(self.infos, self.pointers, device_id)
 
     def release(self):
+        close_exports(self)
         self.tensors, self.pointers = {}, []
+
+
+def close_exports(cache: LocalCache):
+    exports, cache.fd_exports = cache.fd_exports, None
+    if exports is not None:
+        exports.close()
 
 
 class CudaOps(DeviceOps):

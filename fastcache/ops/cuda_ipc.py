@@ -10,6 +10,7 @@ from cuda.bindings import driver, runtime
 from ..config import TensorInfo
 from ..errors import TransferError
 from .cuda_kernels import cuda_check, set_device
+from .cuda_vmm import VmmExports, VmmImports, is_vmm
 
 IPC_HANDLE_BYTES = 64
 
@@ -30,21 +31,43 @@ def export_pointer(ptr: int, what: str, handles: dict | None = None) -> dict:
     return {"handle": handles[base], "offset": ptr - base, "alloc_bytes": int(size)}
 
 
-def export_tensors(infos: list, pointers: list, device_id: int) -> list:
+def export_tensors(infos: list, pointers: list, device_id: int, vmm: VmmExports | None = None) -> list:
     """Manifest entries: per tensor, the IPC handle of the allocation holding it and its offset there.
-    Tensors sharing an allocation share one handle string, so an attacher opens it once."""
-    handles = {}
-    return [{"name": info.name, **export_pointer(ptr, info.name, handles), "nbytes": info.nbytes,
-             "device": device_id} for info, ptr in zip(infos, pointers)]
+    Tensors sharing an allocation share one handle string, so an attacher opens it once. Virtual-memory
+    tensors (cuMemCreate: cudaIpcGetMemHandle refuses them) are exported into `vmm` as file descriptors
+    instead, their entries naming the descriptors by index ("vmm"); without `vmm` they are refused."""
+    handles, entries = {}, []
+    for info, ptr in zip(infos, pointers):
+        if is_vmm(ptr):
+            if vmm is None:
+                raise TransferError(f"{info.name} is virtual-memory (cuMemCreate) memory, which this export "
+                                    f"cannot share")
+            region = vmm.export(ptr, info.nbytes, info.name)
+            fields = {"vmm": region, "offset": region["offset"],
+                      "alloc_bytes": sum(vmm.sizes[i] for i in region["pieces"])}
+        else:
+            fields = export_pointer(ptr, info.name, handles)
+        entries.append({"name": info.name, **fields, "nbytes": info.nbytes, "device": device_id})
+    return entries
 
 
 def check_region(entry: dict, nbytes: int, what: str):
     """Refuse an export whose handle is malformed or whose nbytes at offset leave its allocation."""
     handle, offset, size = entry.get("handle"), entry.get("offset"), entry.get("alloc_bytes")
-    if not isinstance(handle, str) or len(handle) != 2 * IPC_HANDLE_BYTES:
+    if "vmm" in entry:
+        check_vmm(entry["vmm"], what)
+    elif not isinstance(handle, str) or len(handle) != 2 * IPC_HANDLE_BYTES:
         raise ValueError(f"{what}: no valid IPC handle")
     if not all(isinstance(v, int) for v in (offset, size)) or offset < 0 or offset + nbytes > size:
         raise ValueError(f"{what}: {nbytes} bytes at offset {offset} lie outside its {size}-byte allocation")
+
+
+def check_vmm(vmm, what: str):
+    """Refuse a virtual-memory export whose fields are not what VmmExports.export writes."""
+    if not isinstance(vmm, dict) or not isinstance(vmm.get("pieces"), list) or not vmm["pieces"] or \
+            not all(isinstance(i, int) and i >= 0 for i in vmm["pieces"]) or \
+            not isinstance(vmm.get("granularity"), int) or vmm["granularity"] < 1:
+        raise ValueError(f"{what}: malformed virtual-memory export")
 
 
 def check_entry(entry: dict, info: TensorInfo):
@@ -61,14 +84,22 @@ def open_handle(hex_handle: str) -> int:
 
 
 class OpenAllocations:
-    """Another process's allocations opened in this one, each once, by handle string."""
+    """Another process's allocations opened in this one, each once, by handle string; virtual-memory ones
+    through `vmm` (imported descriptors)."""
 
-    def __init__(self, device_id: int):
-        self.device_id = device_id
+    def __init__(self, device_id: int, vmm: VmmImports | None = None):
+        self.device_id, self.vmm = device_id, vmm
         self._bases = {}            # hex handle -> base address here
 
     def address(self, entry: dict) -> int:
         """This process's address of an export (its handle opened if it is not yet)."""
+        if "vmm" in entry:
+            if self.vmm is None:
+                raise ValueError(f"{entry.get('name')}: a virtual-memory export without its descriptors")
+            if max(entry["vmm"]["pieces"]) >= len(self.vmm.sizes):
+                raise ValueError(f"{entry.get('name')}: names a descriptor the worker did not send")
+            set_device(self.device_id)
+            return self.vmm.address(entry["vmm"]) + entry["offset"]
         handle = entry["handle"]
         if handle not in self._bases:
             set_device(self.device_id)
@@ -81,3 +112,7 @@ class OpenAllocations:
             set_device(self.device_id)
         for base in bases.values():
             cuda_check(runtime.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
+        vmm, self.vmm = self.vmm, None
+        if vmm is not None:
+            set_device(self.device_id)
+            vmm.close()

@@ -89,7 +89,8 @@ def reshape(cache, spec, rank: int, device_id: int, framework: str, replaced=Non
     exports = list(cache.manifest)
     for i, alloc in replaced.items():
         bases[i], base_bytes[i], pointers[i] = alloc.tensor, alloc.nbytes, device_pointer(alloc.tensor)
-        exports[i] = {**exports[i], **{k: alloc.descriptor[k] for k in ("handle", "offset", "alloc_bytes")}}
+        kept = {k: v for k, v in exports[i].items() if k != "vmm"}     # the new allocation is cudaMalloc memory
+        exports[i] = {**kept, **{k: alloc.descriptor[k] for k in ("handle", "offset", "alloc_bytes")}}
     tensors, manifest = {}, []
     for i, (info, entry) in enumerate(zip(infos, exports)):
         if info.nbytes > base_bytes[i]:

@@ -6,11 +6,13 @@ beats worker_heartbeat[r], and follows kv_cache_status through clear/restore on 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from ..config import CacheSpec, Settings
 from ..ipc.barrier import phase_barrier, worker_party
 from ..errors import TransferError
+from ..ipc.fds import FdServer, find_socket_dir
 from ..ipc.heartbeat import Heartbeat
 from ..ipc.manifest import write_manifest
 from ..ipc.naming import segment_name
@@ -52,6 +54,19 @@ def claim_rank(suffix: str, rank: int) -> SharedSegment:
     return SharedSegment.create(name, 8, suffix)
 
 
+def serve_descriptors(suffix: str, rank: int, cache) -> tuple[list, FdServer | None]:
+    """The manifest to publish, and the server of the cache's virtual-memory descriptors if it has any: they go
+    over a socket in the deployment's private directory, and the manifest says where, from which process and
+    how many, so the transfer manager can check what it receives (docs/design.md §2)."""
+    exports = cache.fd_exports
+    if exports is None:
+        return cache.manifest, None
+    path = os.path.join(find_socket_dir(suffix), f"fds_rank{rank}")
+    server = FdServer(path, exports.fds, {"sizes": exports.sizes})
+    served = {"socket": path, "pid": os.getpid(), "count": len(exports.fds)}
+    return [{**e, "vmm": {**e["vmm"], **served}} if "vmm" in e else e for e in cache.manifest], server
+
+
 class CacheWorker:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, device: str = "sim", suffix: str = "",
                  framework: str = "numpy", device_id: int | None = None, settings: Settings | None = None,
@@ -73,6 +88,7 @@ class CacheWorker:
         self._cache = None
         self._by_kind = {}      # kind -> the current tensors of that kind, layer order
         self._manifest = None
+        self._fd_server = None      # serves virtual-memory exports' descriptors to the transfer manager (§2)
         self._stop = threading.Event()
         self._thread = None
         self.signals = self.barrier = None
@@ -149,15 +165,20 @@ class CacheWorker:
 
     def _export(self):
         """Publish the cache's manifest (again, after a reshard re-viewed the tensors)."""
+        self._close_exports()
+        manifest, self._fd_server = serve_descriptors(self.suffix, self.rank, self._cache)
+        self._manifest = write_manifest(self.suffix, self.rank, manifest)
+
+    def _close_exports(self):
         if self._manifest is not None:
             self._manifest.close()
             self._manifest = None
-        self._manifest = write_manifest(self.suffix, self.rank, self._cache.manifest)
+        server, self._fd_server = self._fd_server, None
+        if server is not None:
+            server.close()          # the cache's VmmExports owns the descriptors and closes them on release
 
     def _release(self):
-        if self._manifest is not None:
-            self._manifest.close()
-            self._manifest = None
+        self._close_exports()
         self._by_kind = {}
         if self._cache is not None:
             self._reshard.forget(self._cache)      # a reshard's references to the first tensors (cuda)
