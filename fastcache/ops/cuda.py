@@ -106,6 +106,7 @@ def import_descriptors(manifest: list, device_id: int) -> VmmImports | None:
         for fd in fds:
             os.close(fd)
         raise ValueError(f"descriptor socket {path} sent no valid allocation sizes")
+    set_device(device_id)
     return VmmImports(fds, sizes, device_id)
 
 
