@@ -29,6 +29,7 @@ from conftest import small_spec  # noqa: E402
 from test_cuda_logic import FakeRuntime, install_runtime  # noqa: E402
 
 OK = driver.CUresult.CUDA_SUCCESS
+OK_RT = FakeRuntime.cudaError_t.cudaSuccess
 INVALID = driver.CUresult.CUDA_ERROR_INVALID_VALUE
 NONE = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
 POSIX_FD = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -244,9 +245,15 @@ class Owner:
 @pytest.fixture
 def fake_vmm(monkeypatch):
     fake = FakeDriver()
-    install_runtime(monkeypatch, FakeRuntime())
+    runtime = FakeRuntime()
+    # as CUDA does: IPC handles refuse memory that cuMemCreate made
+    runtime.cudaIpcGetMemHandle = lambda ptr: (FakeRuntime.cudaError_t.cudaErrorInvalidValue, None)
+    runtime.cudaGetErrorName = lambda err: (OK_RT, err.name.encode())
+    runtime.cudaGetErrorString = lambda err: (OK_RT, b"")
+    install_runtime(monkeypatch, runtime)
     for module in (cuda_vmm, cuda_ipc):
         monkeypatch.setattr(module, "driver", fake)
+    monkeypatch.setattr(cuda_ipc, "runtime", runtime)
     monkeypatch.setattr(cuda_ipc, "set_device", lambda device_id: None)
     suffix = new_suffix()
     socket_dir = make_socket_dir(suffix)

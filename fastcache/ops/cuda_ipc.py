@@ -25,28 +25,29 @@ def export_pointer(ptr: int, what: str, handles: dict | None = None) -> dict:
         try:
             handle = cuda_check(runtime.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle({what})")
         except TransferError as exc:
-            raise TransferError(f"{exc} (CUDA IPC exports cudaMalloc memory only: a virtual-memory allocator such "
-                                f"as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True cannot be shared)") from None
+            raise TransferError(f"{exc} (CUDA IPC exports cudaMalloc memory only; the KV cache's virtual-memory "
+                                f"allocations are exported by file descriptor, other buffers cannot be: e.g. "
+                                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)") from None
         handles[base] = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES).hex()
     return {"handle": handles[base], "offset": ptr - base, "alloc_bytes": int(size)}
 
 
 def export_tensors(infos: list, pointers: list, device_id: int, vmm: VmmExports | None = None) -> list:
     """Manifest entries: per tensor, the IPC handle of the allocation holding it and its offset there.
-    Tensors sharing an allocation share one handle string, so an attacher opens it once. Virtual-memory
-    tensors (cuMemCreate: cudaIpcGetMemHandle refuses them) are exported into `vmm` as file descriptors
-    instead, their entries naming the descriptors by index ("vmm"); without `vmm` they are refused."""
+    Tensors sharing an allocation share one handle string, so an attacher opens it once. Where
+    cudaIpcGetMemHandle refuses a tensor and cuMemRetainAllocationHandle shows it virtual memory (cuMemCreate),
+    it is exported into `vmm` as file descriptors instead, its entry naming them by index ("vmm"); without
+    `vmm` the refusal stands."""
     handles, entries = {}, []
     for info, ptr in zip(infos, pointers):
-        if is_vmm(ptr):
-            if vmm is None:
-                raise TransferError(f"{info.name} is virtual-memory (cuMemCreate) memory, which this export "
-                                    f"cannot share")
+        try:
+            fields = export_pointer(ptr, info.name, handles)
+        except TransferError:
+            if vmm is None or not is_vmm(ptr):
+                raise
             region = vmm.export(ptr, info.nbytes, info.name)
             fields = {"vmm": region, "offset": region["offset"],
                       "alloc_bytes": sum(vmm.sizes[i] for i in region["pieces"])}
-        else:
-            fields = export_pointer(ptr, info.name, handles)
         entries.append({"name": info.name, **fields, "nbytes": info.nbytes, "device": device_id})
     return entries
 
