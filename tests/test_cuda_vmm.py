@@ -8,7 +8,9 @@ lives exactly as long as a handle or a mapping holds it (as in CUDA, where an im
 """
 import contextlib
 import ctypes
+import hashlib
 import mmap
+import multiprocessing
 import os
 
 import numpy as np
@@ -440,5 +442,42 @@ def test_the_transfer_manager_refuses_descriptors_from_a_process_that_is_not_the
             with pytest.raises(ValueError, match="lie outside"):
                 cuda_ops.CudaOps().attach(outside, infos, suffix)
         assert not [h for h in fake.handles if h not in owner.handles]      # no import left behind
+    finally:
+        owner.close()
+
+
+def attach_and_digest(manifest, infos, suffix, conn):
+    """The transfer manager's side in its own process: attach (descriptors over the socket), then send back a
+    digest of every tensor's bytes as its mappings show them."""
+    try:
+        attached = cuda_ops.CudaOps().attach(manifest, infos, suffix)
+        try:
+            conn.send([hashlib.sha256(attached.read(i).tobytes()).hexdigest() for i in range(len(infos))])
+        finally:
+            attached.close()
+    except BaseException as exc:
+        conn.send(repr(exc))
+    finally:
+        conn.close()
+
+
+def test_another_process_maps_the_cache_from_the_descriptors_it_received(fake_vmm):
+    """Across processes: the worker's server checks nothing but the uid, the transfer manager checks the
+    server is the pid the manifest names, and the child's bytes come from descriptors that crossed the socket."""
+    fake, suffix = fake_vmm
+    spec = spec_of()
+    infos = spec.tensors()
+    owner = Owner(fake, infos)
+    try:
+        data = owner.write(np.random.default_rng(11))
+        with exported(owner, suffix, spec) as manifest:
+            ctx = multiprocessing.get_context("fork")
+            ours, theirs = ctx.Pipe()
+            child = ctx.Process(target=attach_and_digest, args=(manifest, infos, suffix, theirs))
+            child.start()
+            theirs.close()
+            got = ours.recv()
+            child.join()
+        assert got == [hashlib.sha256(d.tobytes()).hexdigest() for d in data], got
     finally:
         owner.close()

@@ -63,6 +63,7 @@ class FdServer:
             except OSError:         # closed
                 return
             with conn:
+                conn.settimeout(5.0)        # a peer that stops reading never holds the server up for long
                 try:
                     _pid, uid = peer_credentials(conn)
                     if uid == os.getuid():
