@@ -23,9 +23,13 @@ import fastcache.ops.cuda_ipc as cuda_ipc  # noqa: E402
 import fastcache.ops.cuda_vmm as cuda_vmm  # noqa: E402
 from cuda.bindings import driver  # noqa: E402
 from fastcache import TransferError  # noqa: E402
+from fastcache.ipc.barrier import phase_barrier  # noqa: E402
+from fastcache.ipc.fds import find_socket_dir  # noqa: E402
+from fastcache.ipc.manifest import read_manifest  # noqa: E402
 from fastcache.ipc.naming import new_suffix  # noqa: E402
 from fastcache.ipc.queue import make_socket_dir, remove_socket_dir  # noqa: E402
-from fastcache.worker.cache_worker import serve_descriptors  # noqa: E402
+from fastcache.ipc.signal import DeploymentSignals  # noqa: E402
+from fastcache.worker.cache_worker import CacheWorker, serve_descriptors  # noqa: E402
 
 from conftest import small_spec  # noqa: E402
 from test_cuda_logic import FakeRuntime, install_runtime  # noqa: E402
@@ -161,9 +165,14 @@ class FakeDriver:
         return OK, handle
 
     def live(self, inode) -> list:
-        """What still holds physical allocation `inode`: this fake's handles and mappings."""
-        return ([h for h, (fd, _, _) in self.handles.items() if self.inode(fd) == inode] +
-                [a for a, (_, i, _) in self.maps.items() if i == inode])
+        """What still holds physical allocation `inode` in this process: every open descriptor of it (handles,
+        exported or received descriptors) and every mapping."""
+        fds = []
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/self/fd/{name}").st_ino == inode:
+                    fds.append(int(name))
+        return fds + [a for a, (_, i, _) in self.maps.items() if i == inode]
 
 
 class Tensor:
@@ -479,5 +488,62 @@ def test_another_process_maps_the_cache_from_the_descriptors_it_received(fake_vm
             got = ours.recv()
             child.join()
         assert got == [hashlib.sha256(d.tobytes()).hexdigest() for d in data], got
+    finally:
+        owner.close()
+
+
+@contextlib.contextmanager
+def deployment_signals(suffix):
+    """What the engine creates before a worker starts: the signals and the phase barrier."""
+    signals = DeploymentSignals(suffix, 1, create=True)
+    barrier = phase_barrier(suffix, 1, create=True)
+    try:
+        yield signals
+    finally:
+        barrier.close()
+        signals.close()
+
+
+def test_a_cache_worker_publishes_vmm_exports_by_socket_and_lets_go_of_them_on_close(fake_vmm):
+    fake, suffix = fake_vmm
+    spec = spec_of()
+    infos = spec.tensors()
+    owner = Owner(fake, infos)
+    try:
+        data = owner.write(np.random.default_rng(13))
+        with deployment_signals(suffix) as signals:
+            worker = CacheWorker(spec, 0, 1, device="cuda", suffix=suffix, device_id=0,
+                                 tensors=owner.tensors()).start()
+            try:
+                assert signals.cache_ready[0] == 1
+                manifest = read_manifest(suffix, 0)         # as the transfer manager reads it
+                path = manifest[0]["vmm"]["socket"]
+                assert os.path.dirname(path) == find_socket_dir(suffix) and manifest[0]["vmm"]["pid"] == os.getpid()
+                attached = cuda_ops.CudaOps().attach(manifest, infos, suffix)
+                try:
+                    for index, d in enumerate(data):
+                        assert np.array_equal(attached.read(index).reshape(-1), d)
+                finally:
+                    attached.close()
+            finally:
+                worker.close()
+            assert not os.path.exists(path)
+        # the worker closed its exported descriptors: only the owner's handle and mapping hold each allocation
+        for _, _, parts in owner.spans:
+            assert len(fake.live(fake.maps[parts[0][0]][1])) == 2
+    finally:
+        owner.close()
+
+
+def test_a_cache_worker_on_unexportable_vmm_memory_fails_at_start_naming_sleep_mode(fake_vmm):
+    fake, suffix = fake_vmm
+    spec = spec_of()
+    owner = Owner(fake, spec.tensors(), types=NONE)
+    try:
+        with deployment_signals(suffix) as signals:
+            with pytest.raises(TransferError, match="sleep mode"):
+                CacheWorker(spec, 0, 1, device="cuda", suffix=suffix, device_id=0, tensors=owner.tensors()).start()
+            assert signals.cache_ready[0] == 0
+            assert not os.path.exists(os.path.join(find_socket_dir(suffix), "fds_rank0"))
     finally:
         owner.close()
