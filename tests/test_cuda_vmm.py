@@ -450,6 +450,9 @@ def test_the_transfer_manager_refuses_descriptors_from_a_process_that_is_not_the
             outside = [{**e, "offset": e["alloc_bytes"]} for e in manifest]
             with pytest.raises(ValueError, match="lie outside"):
                 cuda_ops.CudaOps().attach(outside, infos, suffix)
+            larger = [{**e, "alloc_bytes": e["alloc_bytes"] + GRANULARITY} for e in manifest]
+            with pytest.raises(ValueError, match="do not add up"):
+                cuda_ops.CudaOps().attach(larger, infos, suffix)
         assert not [h for h in fake.handles if h not in owner.handles]      # no import left behind
     finally:
         owner.close()

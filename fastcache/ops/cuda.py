@@ -10,9 +10,9 @@ import numpy as np
 from cuda.bindings import runtime
 
 from ..config import CacheSpec, Settings
+from ..ipc.fds import fetch_fds
 from .base import AttachedCache, DeviceOps, LocalCache, check_adopted
 from .cuda_copiers import dma_runs, make_copier
-from ..ipc.fds import fetch_fds
 from .cuda_ipc import OpenAllocations, check_entry, export_tensors
 from .cuda_vmm import VmmExports, VmmImports
 from .cuda_kernels import cuda_check, set_device

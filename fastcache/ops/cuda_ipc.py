@@ -97,8 +97,12 @@ class OpenAllocations:
         if "vmm" in entry:
             if self.vmm is None:
                 raise ValueError(f"{entry.get('name')}: a virtual-memory export without its descriptors")
-            if max(entry["vmm"]["pieces"]) >= len(self.vmm.sizes):
+            pieces = entry["vmm"]["pieces"]
+            if max(pieces) >= len(self.vmm.sizes):
                 raise ValueError(f"{entry.get('name')}: names a descriptor the worker did not send")
+            if sum(self.vmm.sizes[i] for i in pieces) != entry["alloc_bytes"]:      # what check_region bounded
+                raise ValueError(f"{entry.get('name')}: its allocations' sizes do not add up to its "
+                                 f"{entry['alloc_bytes']} bytes")
             set_device(self.device_id)
             return self.vmm.address(entry["vmm"]) + entry["offset"]
         handle = entry["handle"]
