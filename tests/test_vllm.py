@@ -485,6 +485,7 @@ def assert_hybrid_groups(report):
     """vLLM ran the tiny Gemma 2 as a hybrid model: three KV cache groups (the global layers, two sliding
     layers, the last sliding layer alone), and every shared prefix is longer than the sliding window."""
     from fastcache.tools import tiny_gemma2
+    assert "start_error" not in report, report["start_error"]
     groups = sorted(sorted(int(name.split(".")[2]) for name in g) for g in report["groups"])
     assert groups == [[0, 4], [1, 3], [2]], report["groups"]
     assert min(tiny_gemma2.SHARES) >= tiny_gemma2.WINDOW
