@@ -33,12 +33,13 @@ class Inspect:
         return get_kv_transfer_group().connector_worker.spec.namespace
 
     def fastcache_groups(self):
-        """The layers of each KV cache group fastcache's worker serves."""
+        """The layers of each KV cache group fastcache's worker serves, and the KV tensors each one uses."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
         if not has_kv_transfer_group():
             return None
-        config = get_kv_transfer_group().connector_worker.kv_cache_config
-        return [list(group.layer_names) for group in config.kv_cache_groups]
+        connector = get_kv_transfer_group().connector_worker
+        return {"layers": [list(group.layer_names) for group in connector.kv_cache_config.kv_cache_groups],
+                "tensors": connector.worker.group_tensors}
 
 
 def transfer_managers():

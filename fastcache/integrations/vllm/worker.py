@@ -86,6 +86,7 @@ class FastcacheWorker(OffloadingWorker):
         self.options, self.namespace, self.reset_scope = options, namespace, reset_scope
         spec = cache_spec(kv_caches, num_chunks * blocks_per_chunk)
         tensors = [t.tensor for t in kv_caches.tensors]
+        self.group_tensors = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         device = "cuda" if tensors[0].is_cuda else "sim"
         device_id = tensors[0].device.index or 0 if device == "cuda" else 0
         settings = dataclasses.replace(Settings.from_env(), transfer_timeout=options.transfer_timeout)
@@ -113,8 +114,9 @@ class FastcacheWorker(OffloadingWorker):
             self.shutdown()
             raise
         atexit.register(self.shutdown)          # vLLM may exit without calling shutdown(): leave nothing behind
-        log.info("fastcache: rank %d of %d, %s, %d CPU chunks of %d bytes, %s", rank, world_size, device,
-                 num_chunks, spec.cpu_block_bytes * blocks_per_chunk, options.store or "no L3")
+        log.info("fastcache: rank %d of %d, %s, %d CPU chunks of %d bytes, %s, KV cache groups over tensors %s",
+                 rank, world_size, device, num_chunks, spec.cpu_block_bytes * blocks_per_chunk,
+                 options.store or "no L3", self.group_tensors)
 
     # -- vLLM's interface ------------------------------------------------------------------------
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
