@@ -513,8 +513,8 @@ def test_hybrid_model_outputs_equal(plain_hybrid, fault):
 @pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
 def test_hybrid_model_chunks_of_several_blocks(plain_hybrid, fault):
     """blocks_per_chunk=2 on the hybrid model: a group's first block may enter its chunk part-way (vLLM's
-    block_indices), each group counted on its own. Longest prompt first, round one can load too: vLLM's own
-    cache keeps a sliding group's last blocks only, so a shorter prompt finds the rest in fastcache."""
+    block_indices), each group counted on its own. Longest prompt first, round one loads too (the fault
+    shows there as well), so both rounds are compared."""
     report = drive("--hybrid", "--fastcache", "--rounds", 2, "--longest-first",
                    "--extra", json.dumps({"blocks_per_chunk": 2}), env=WRONG_CHUNK if fault else None)
     assert_hybrid_groups(report)
