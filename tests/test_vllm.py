@@ -2,7 +2,8 @@
 (docs/design.md §10). Each run is a separate process (tests/vllm_driver.py): a tiny random Llama checkpoint
 (fastcache/tools/tiny_llama.py) read by vLLM's own loader, greedy decoding, 64 prompts sharing prefixes of 1-4 blocks
 and 16 probes (each base's prefix before one common tail). A round after vLLM's reset_prefix_cache() can
-only hit what fastcache holds.
+only hit what fastcache holds. The hybrid tests run a tiny Gemma 2 (fastcache/tools/tiny_gemma2.py: sliding-window
+and global layers, three KV cache groups) over the same kind of batch.
 
 Every equality is checked on greedy tokens and the first token's logprob, and is trusted only where it can
 fail: the reference run first shows that probes differing only in their prefix give different outputs, and a
