@@ -1,6 +1,7 @@
 """Runs vLLM's real engine (CPU build) over a tiny random Llama checkpoint (fastcache/tools/tiny_llama.py, read by vLLM's
-own loader; --hybrid: a tiny Gemma 2, fastcache/tools/tiny_gemma2.py) with and without fastcache and prints what tests/test_vllm.py checks, as one JSON line. A separate
-process per run: vLLM spawns its own processes and wants the `__main__` guard.
+own loader; --hybrid: a tiny Gemma 2, fastcache/tools/tiny_gemma2.py) with and without fastcache and prints
+what tests/test_vllm.py checks, as one JSON line. A separate process per run: vLLM spawns its own processes
+and wants the `__main__` guard.
 
     python tests/vllm_driver.py --rounds 2 [--fastcache] [--model DIR] [--seed N] [--store URL] ...
 
@@ -39,7 +40,7 @@ class Inspect:
             return None
         connector = get_kv_transfer_group().connector_worker
         return {"layers": [list(group.layer_names) for group in connector.kv_cache_config.kv_cache_groups],
-                "tensors": connector.worker.group_tensors}
+                "tensors": getattr(connector.worker, "group_tensors", None)}
 
 
 def transfer_managers():

@@ -37,8 +37,8 @@ def cache_spec(kv_caches, num_cpu_blocks: int) -> CacheSpec:
     """vLLM's canonical tensors as a fastcache geometry: one 'layer' per tensor, one row of page bytes per
     block (block_size 1, one head, head_dim = page bytes, uint8).
 
-    Several KV cache groups (hybrid models: sliding-window and global layers) share these tensors: each
-    tensor holds one layer of each group, and vLLM's block pool gives a block to one group at a time, so
+    Several KV cache groups (hybrid models: sliding-window and global layers) share these tensors: tensor t
+    holds layer t of each group that has one, and vLLM's block pool gives a block to one group at a time, so
     block b of any group is row b of every tensor, and a job moves its blocks' rows of every tensor
     (docs/design.md §10). A group with fewer layers than tensors (vLLM pads the last group of a kind) also
     moves its blocks' rows of the tensors it does not use: rows no layer reads while the block is that
