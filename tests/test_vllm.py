@@ -2,7 +2,8 @@
 (docs/design.md §10). Each run is a separate process (tests/vllm_driver.py): a tiny random Llama checkpoint
 (fastcache/tools/tiny_llama.py) read by vLLM's own loader, greedy decoding, 64 prompts sharing prefixes of 1-4 blocks
 and 16 probes (each base's prefix before one common tail). A round after vLLM's reset_prefix_cache() can
-only hit what fastcache holds.
+only hit what fastcache holds. The hybrid tests run a tiny Gemma 2 (fastcache/tools/tiny_gemma2.py: sliding-window
+and global layers, three KV cache groups) over the same kind of batch.
 
 Every equality is checked on greedy tokens and the first token's logprob, and is trusted only where it can
 fail: the reference run first shows that probes differing only in their prefix give different outputs, and a
@@ -465,3 +466,62 @@ def test_openai_server_serves_hits_from_fastcache(tmp_path, plain, fault):
         assert mismatches(passes[1], plain), "a load from the wrong chunk went unseen through the server"
     else:
         assert_same(passes[1], plain, "second pass")
+
+
+# -- hybrid models: several KV cache groups -------------------------------------------------------------------
+HYBRID_SHARED_BLOCKS = 20          # 4 bases x 5 blocks: the full blocks the tiny Gemma 2's 64 prompts share
+HYBRID_GROUP_BYTES = 256 << 10     # one group's block: its row of both KV tensors (128 KiB pages)
+
+
+@pytest.fixture(scope="module")
+def plain_hybrid():
+    """vLLM alone on the tiny Gemma 2 (fastcache/tools/tiny_gemma2.py): sliding-window layers between global ones."""
+    report = drive("--hybrid", "--rounds", 1)
+    out = outputs(report)
+    assert_prefix_sensitive(out)
+    return out
+
+
+def assert_hybrid_groups(report):
+    """vLLM ran the tiny Gemma 2 as a hybrid model: three KV cache groups (the global layers, two sliding
+    layers, the last sliding layer alone: a padded group, in one of the two KV tensors, as
+    tests/test_vllm_hybrid.py builds them), and every shared prefix is longer than the sliding window."""
+    from fastcache.tools import tiny_gemma2
+    assert "start_error" not in report, report["start_error"]
+    groups = report["groups"]
+    layers = [sorted(int(name.split(".")[2]) for name in g) for g in groups["layers"]]
+    assert sorted(layers) == [[0, 4], [1, 3], [2]], groups
+    assert sorted(map(sorted, groups["tensors"])) == [[0], [0, 1], [0, 1]], groups
+    assert min(tiny_gemma2.SHARES) >= tiny_gemma2.WINDOW
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
+def test_hybrid_model_outputs_equal(plain_hybrid, fault):
+    """A model of sliding-window and global layers: each KV cache group's blocks are stored and loaded with
+    their own block ids; round two loads every group's blocks of every shared prefix and equals vLLM alone."""
+    report = drive("--hybrid", "--fastcache", "--rounds", 2, env=WRONG_CHUNK if fault else None)
+    assert_hybrid_groups(report)
+    assert_same(outputs(report, 0), plain_hybrid, "round one")
+    hits, loaded = per_round(report["external_hits"]), per_round(report["load_bytes"])
+    assert hits[0] == 0 and hits[1] >= HYBRID_SHARED_BLOCKS * BLOCK_TOKENS, hits
+    assert loaded[1] >= HYBRID_SHARED_BLOCKS * len(report["groups"]["layers"]) * HYBRID_GROUP_BYTES, loaded
+    if fault:
+        assert_sees_wrong_kv(outputs(report, 1), plain_hybrid, report)
+    else:
+        assert_same(outputs(report, 1), plain_hybrid, "round two")
+
+
+@pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
+def test_hybrid_model_chunks_of_several_blocks(plain_hybrid, fault):
+    """blocks_per_chunk=2 on the hybrid model: a group's first block may enter its chunk part-way (vLLM's
+    block_indices), each group counted on its own. Longest prompt first, round one loads too (the fault
+    shows there as well), so both rounds are compared."""
+    report = drive("--hybrid", "--fastcache", "--rounds", 2, "--longest-first",
+                   "--extra", json.dumps({"blocks_per_chunk": 2}), env=WRONG_CHUNK if fault else None)
+    assert_hybrid_groups(report)
+    assert per_round(report["external_hits"])[1] > 0
+    both = outputs(report, 0) + outputs(report, 1)
+    if fault:
+        assert_sees_wrong_kv(both, plain_hybrid * 2, report)
+    else:
+        assert_same(both, plain_hybrid * 2, "rounds one and two")

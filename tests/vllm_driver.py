@@ -1,6 +1,7 @@
 """Runs vLLM's real engine (CPU build) over a tiny random Llama checkpoint (fastcache/tools/tiny_llama.py, read by vLLM's
-own loader) with and without fastcache and prints what tests/test_vllm.py checks, as one JSON line. A separate
-process per run: vLLM spawns its own processes and wants the `__main__` guard.
+own loader; --hybrid: a tiny Gemma 2, fastcache/tools/tiny_gemma2.py) with and without fastcache and prints
+what tests/test_vllm.py checks, as one JSON line. A separate process per run: vLLM spawns its own processes
+and wants the `__main__` guard.
 
     python tests/vllm_driver.py --rounds 2 [--fastcache] [--model DIR] [--seed N] [--store URL] ...
 
@@ -19,7 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PYTHONHASHSEED", "0")       # vLLM's block hashes: equal across engines (L3 sharing)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fastcache.tools.tiny_llama import prompts, write_checkpoint  # noqa: E402
+from fastcache.tools import tiny_gemma2, tiny_llama  # noqa: E402
 
 
 class Inspect:
@@ -31,6 +32,15 @@ class Inspect:
         if not has_kv_transfer_group():
             return None
         return get_kv_transfer_group().connector_worker.spec.namespace
+
+    def fastcache_groups(self):
+        """The layers of each KV cache group fastcache's worker serves, and the KV tensors each one uses."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        if not has_kv_transfer_group():
+            return None
+        connector = get_kv_transfer_group().connector_worker
+        return {"layers": [list(group.layer_names) for group in connector.kv_cache_config.kv_cache_groups],
+                "tensors": getattr(connector.worker, "group_tensors", None)}
 
 
 def transfer_managers():
@@ -51,6 +61,8 @@ def main():
     ap.add_argument("--revision")
     ap.add_argument("--load-format", default="auto", help="vLLM's load_format (dummy: no checkpoint read)")
     ap.add_argument("--seed", type=int, default=1, help="weights' seed when no --model is given")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="the tiny Gemma 2 (sliding-window and global layers) and its prompts, not the tiny Llama")
     ap.add_argument("--update-seed", type=int,
                     help="after round 1: the engine reloads this seed's weights in place (reload_weights)")
     ap.add_argument("--reset", choices=("connector", "plain"), default="connector",
@@ -78,6 +90,8 @@ def run(args, scratch):
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    tiny = tiny_gemma2 if args.hybrid else tiny_llama
+    prompts, write_checkpoint = tiny.prompts, tiny.write_checkpoint
     model = args.model or write_checkpoint(os.path.join(scratch, f"seed{args.seed}"), args.seed)
     kv = None
     if args.fastcache:
@@ -100,6 +114,7 @@ def run(args, scratch):
         print("REPORT " + json.dumps(report), flush=True)
         return
     report["namespaces"] = llm.collective_rpc("fastcache_namespace")     # one per worker rank
+    report["groups"] = llm.collective_rpc("fastcache_groups")[0]
     # logprobs=0: the sampled token's own logprob
     params = SamplingParams(temperature=0, max_tokens=16, detokenize=False, logprobs=0)
     order = list(range(len(prompts())))

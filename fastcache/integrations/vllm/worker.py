@@ -35,19 +35,33 @@ TEST_WRONG_CHUNK = "FASTCACHE_TEST_VLLM_WRONG_CHUNK"
 
 def cache_spec(kv_caches, num_cpu_blocks: int) -> CacheSpec:
     """vLLM's canonical tensors as a fastcache geometry: one 'layer' per tensor, one row of page bytes per
-    block (block_size 1, one head, head_dim = page bytes, uint8)."""
-    if len(kv_caches.group_data_refs) != 1:
-        raise ValueError(f"fastcache moves every layer of a block together; this model has "
-                         f"{len(kv_caches.group_data_refs)} KV cache groups (hybrid or sliding-window models are "
-                         f"not supported yet)")
+    block (block_size 1, one head, head_dim = page bytes, uint8).
+
+    Several KV cache groups (hybrid models: sliding-window and global layers) share these tensors: tensor t
+    holds layer t of each group that has one, and vLLM's block pool gives a block to one group at a time, so
+    block b of any group is row b of every tensor, and a job moves its blocks' rows of every tensor
+    (docs/design.md §10). A group with fewer layers than tensors (vLLM pads the last group of a kind) also
+    moves its blocks' rows of the tensors it does not use: rows no layer reads while the block is that
+    group's."""
+    groups = kv_caches.group_data_refs
+    if not groups or not all(groups):
+        raise ValueError(f"vLLM gave KV cache groups without layers: {[len(g) for g in groups]} references")
     shapes = {tuple(t.tensor.shape) for t in kv_caches.tensors}
     if len(shapes) != 1:
-        raise ValueError(f"fastcache needs one page size for every layer, got shapes {sorted(shapes)}")
+        raise ValueError(f"fastcache needs one page size for every KV tensor, got shapes {sorted(shapes)}")
     num_blocks, page = shapes.pop()
     for t in kv_caches.tensors:
         if t.tensor.stride() != (page, 1) or t.page_size_bytes != page:
             raise ValueError(f"KV tensor of stride {t.tensor.stride()} and page {t.page_size_bytes}: fastcache "
                              f"needs contiguous pages (packed layouts are not supported)")
+    for g, refs in enumerate(groups):
+        used = [r.tensor_idx for r in refs]
+        if len(set(used)) != len(used) or not all(0 <= i < len(kv_caches.tensors) for i in used):
+            raise ValueError(f"KV cache group {g} references tensors {used} of {len(kv_caches.tensors)}: "
+                             f"fastcache needs each group's layers in tensors of their own")
+        if any(r.page_size_bytes > page for r in refs):
+            raise ValueError(f"KV cache group {g} has pages of {[r.page_size_bytes for r in refs]} bytes in "
+                             f"tensors of {page}-byte pages")
     return CacheSpec(num_layers=len(kv_caches.tensors), num_gpu_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
                      block_size=1, num_kv_heads=1, head_dim=page, cache_dtype="uint8", has_value=False)
 
@@ -72,6 +86,7 @@ class FastcacheWorker(OffloadingWorker):
         self.options, self.namespace, self.reset_scope = options, namespace, reset_scope
         spec = cache_spec(kv_caches, num_chunks * blocks_per_chunk)
         tensors = [t.tensor for t in kv_caches.tensors]
+        self.group_tensors = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         device = "cuda" if tensors[0].is_cuda else "sim"
         device_id = tensors[0].device.index or 0 if device == "cuda" else 0
         settings = dataclasses.replace(Settings.from_env(), transfer_timeout=options.transfer_timeout)
@@ -99,8 +114,9 @@ class FastcacheWorker(OffloadingWorker):
             self.shutdown()
             raise
         atexit.register(self.shutdown)          # vLLM may exit without calling shutdown(): leave nothing behind
-        log.info("fastcache: rank %d of %d, %s, %d CPU chunks of %d bytes, %s", rank, world_size, device,
-                 num_chunks, spec.cpu_block_bytes * blocks_per_chunk, options.store or "no L3")
+        log.info("fastcache: rank %d of %d, %s, %d CPU chunks of %d bytes, %s, KV cache groups over tensors %s",
+                 rank, world_size, device, num_chunks, spec.cpu_block_bytes * blocks_per_chunk,
+                 options.store or "no L3", self.group_tensors)
 
     # -- vLLM's interface ------------------------------------------------------------------------
     def submit_store(self, job_id, src_spec, dst_spec) -> bool:
