@@ -53,6 +53,24 @@ def test_answers_are_the_stores_own(filled):
         remote.close()
 
 
+def test_each_rank_is_asked_in_its_own_namespace(filled):
+    """A vLLM engine names each rank's objects in a namespace of its own (with one rank per key)."""
+    url, store, hashes = filled
+    ours, other = keys(0, "remote/r0"), keys(0, "remote/r1")
+    store.put(ours, hashes[:6], np.arange(6))
+    store.put(other, hashes[3:9], np.arange(6))
+    remote = RemoteStore(url)
+    try:
+        want = store.exists_every_rank([ours, other], hashes)
+        assert want.tolist() == [False] * 3 + [True] * 3 + [False] * 6       # the oracle tells them apart
+        np.testing.assert_array_equal(remote.exists_every_rank([ours, other], hashes), want)
+        np.testing.assert_array_equal(remote.exists_every_rank([other, ours], hashes), want)
+        remote.remove(other, hashes[3:4])
+        assert store.exists(ours, hashes[3:4]).all() and not store.exists(other, hashes[3:4]).any()
+    finally:
+        remote.close()
+
+
 def test_a_stopped_client_costs_a_call_its_bound_and_the_next_call_starts_afresh(filled):
     url, _, hashes = filled
     remote = RemoteStore(url, timeout=3.0)      # the bound includes starting a fresh child, on a loaded machine too

@@ -39,7 +39,7 @@ def main(argv) -> int:
             except EOFError:
                 return 0
             try:
-                keys = [ObjectKeys(header["namespace"], header["fingerprint"], int(rank)) for rank in header["ranks"]]
+                keys = [ObjectKeys(str(namespace), str(fp), int(rank)) for namespace, fp, rank in header["keys"]]
                 hashes = np.frombuffer(payload, np.uint64)
                 if header["op"] == "exists":
                     answer = store.exists_every_rank(keys, hashes).astype(np.uint8).tobytes()

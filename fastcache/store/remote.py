@@ -97,8 +97,7 @@ class RemoteStore:
             raise self._no_answer("another call is still waiting for the store")
         try:
             proc = self._started(deadline)
-            header = {"op": op, "namespace": keys[0].namespace, "fingerprint": keys[0].fingerprint,
-                      "ranks": [k.rank for k in keys]}
+            header = {"op": op, "keys": [[k.namespace, k.fingerprint, k.rank] for k in keys]}   # each rank's own
             try:
                 write_message(proc.stdin.fileno(), header, np.ascontiguousarray(hashes, np.uint64).tobytes(), deadline)
                 reply, payload = read_message(proc.stdout.fileno(), deadline)
