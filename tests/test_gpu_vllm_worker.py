@@ -245,9 +245,9 @@ class Rig:
     """One vLLM worker rank: vLLM-shaped tensors on `device`, a FastcacheWorker over them, and jobs run
     through the worker's API."""
 
-    def __init__(self, api, device, bpc, seed):
+    def __init__(self, api, device, bpc, seed, store=None):
         self.worker_mod, self.jobs, self.base = api
-        self.device, self.bpc = device, bpc
+        self.device, self.bpc, self.store_url = device, bpc, store
         self.kv_caches, self.tensors, self.gen = vllm_kv_caches(self.base, device, seed)
         sync(device)
         self.rng = np.random.default_rng(seed)
@@ -257,7 +257,8 @@ class Rig:
         self.stamps = iter(range(1000, 1 << 40))
 
     def start(self):
-        options = VllmOptions(cpu_bytes_to_use=NUM_CHUNKS * self.bpc * LAYERS * 2 * PAGE, transfer_timeout=TIMEOUT)
+        options = VllmOptions(cpu_bytes_to_use=NUM_CHUNKS * self.bpc * LAYERS * 2 * PAGE, transfer_timeout=TIMEOUT,
+                              store=self.store_url)
         self.worker = self.worker_mod.FastcacheWorker(
             self.kv_caches, engine_id=self.engine_id, rank=0, world_size=1, num_chunks=NUM_CHUNKS,
             blocks_per_chunk=self.bpc, options=options, namespace="test/gpu-vllm-worker")
@@ -282,10 +283,14 @@ class Rig:
     def store(self, block_ids, chunks, first=0):
         """Submit a store of a request's blocks (from block `first`) into `chunks`: (job id, its stamps)."""
         job_id, stamps = next(self.job_ids), np.array([next(self.stamps) for _ in chunks], np.uint64)
-        hashes = np.arange(len(chunks) * self.bpc, dtype=np.uint64) + np.uint64(job_id << 20)
+        hashes = self.hashes(job_id, len(chunks))
         dst = self.jobs.FastcacheStoreSpec(list(chunks), stamps, hashes, 0)
         assert self.worker.submit_store(job_id, gpu_spec(self.base, block_ids, first), dst)
         return job_id, stamps
+
+    def hashes(self, job_id, num_chunks):
+        """The L3 names of a store job's blocks, chunk by chunk."""
+        return np.arange(num_chunks * self.bpc, dtype=np.uint64) + np.uint64(job_id << 20)
 
     def load(self, block_ids, chunks, first=0):
         job_id = next(self.job_ids)
@@ -342,8 +347,8 @@ def rig(vllm_api):
     """Rig(device, bpc, seed), started; shut down afterwards whatever happened, leaving nothing in /dev/shm."""
     made = []
 
-    def make(device, bpc, seed=0):
-        rig = Rig(vllm_api, device, bpc, seed)
+    def make(device, bpc, seed=0, store=None):
+        rig = Rig(vllm_api, device, bpc, seed, store)
         made.append(rig)
         return rig.start()
     yield make
@@ -455,3 +460,40 @@ def test_store_then_load_into_other_blocks_bit_for_bit(rig, device, bpc):
 
     r.shutdown()
     assert r.leftovers() == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_fetches_from_the_store_only_the_chunks_marked_for_fetch(rig, device, tmp_path):
+    """A load of a chunk the CPU tier holds and one only the store holds: the store's objects land in the
+    second chunk alone, and the first keeps its bytes; both reach the GPU blocks bit for bit."""
+    bpc = 2
+    r = rig(device, bpc, seed=31, store=f"file://{tmp_path}/l3")
+    T = r.tensors
+    n = 2 * bpc                                             # two chunks per request
+    src_a = r.pick_blocks(n)
+    src_b = r.pick_blocks(n, avoid=src_a)
+    chunks_a = r.pick_chunks(2)
+    chunks_b = r.pick_chunks(2, avoid=chunks_a)
+    want_a, want_b = rows(T, src_a), rows(T, src_b)
+    held_a = r.gpu_image(src_a[:bpc])
+    (job_a, _), (job_b, _) = r.store(src_a, chunks_a), r.store(src_b, chunks_b)
+    r.check_results(r.wait([job_a, job_b]), {job_a: n, job_b: n})
+    hashes_b = r.hashes(job_b, 2)
+    namespace = r.jobs.rank_namespace("test/gpu-vllm-worker", 0, 0, 1)
+    wait_for(lambda: r.worker.get_finished() == [] and r.backend.store_contains(namespace, hashes_b).all(),
+             TIMEOUT, "B's write-through puts")
+    # B's second chunk is reused meanwhile (other bytes there now): only the store still holds its bytes
+    gone = cpu_blocks(chunks_b[1:], bpc, bpc)
+    r.backend.cpu_tier(0)[gone] = r.rng.integers(0, 256, r.backend.cpu_tier(0)[gone].shape, dtype=np.uint8)
+
+    dst = r.pick_blocks(n, avoid=[*src_a, *src_b])
+    want = [torch.cat([wa[:bpc], wb[bpc:]]) for wa, wb in zip(want_a, want_b)]
+    fill_random(T, dst, r.gen, device)
+    assert differing(T, dst, want) == all_pairs(T, dst), "poisoned blocks must differ everywhere"
+    job = next(r.job_ids)
+    src = r.jobs.FastcacheLoadSpec([int(chunks_a[0]), int(chunks_b[1])], np.array([False, True]),
+                                   np.zeros(2, np.uint64), hashes_b[bpc:], 0)
+    assert r.worker.submit_load(job, src, gpu_spec(r.base, dst))
+    r.check_results(r.wait([job]), {job: n})
+    assert differing(T, dst, want) == []
+    assert np.array_equal(r.tier_image(cpu_blocks(chunks_a[:1], bpc, bpc)), held_a), "a held chunk was fetched over"

@@ -126,8 +126,8 @@ def test_a_hung_memory_server_stalls_no_swap_and_its_objects_serve_again_once_it
 
 
 def test_close_keeps_its_timeout_with_puts_stuck_on_a_hung_store():
-    """Write-through puts wait on a stopped memory server (Mooncake gives up after 30 s): close(timeout)
-    still returns in time, reports them as not landed, and leaves no process or segment behind."""
+    """Write-through puts wait on a stopped memory server (Mooncake gives up after STALL_TIMEOUT_S):
+    close(timeout) still returns in time, reports them as not landed, and leaves no process or segment behind."""
     rng = np.random.default_rng(52)
     with MooncakeService(segment_mb=64) as svc:
         try:
@@ -148,3 +148,34 @@ def test_close_keeps_its_timeout_with_puts_stuck_on_a_hung_store():
                 assert not backend.running
         finally:
             svc.resume("server")
+
+
+def test_a_hung_memory_server_fails_the_store_task_within_its_bound_and_swaps_go_on():
+    """A fetch whose data waits on a stopped memory server fails within Mooncake's stall timeouts as
+    fastcache sets them (STALL_TIMEOUT_S, not its default 30 s), as that store task's error naming the
+    store; swaps go on meanwhile, and once the server resumes the same objects fetch byte for byte."""
+    from fastcache.errors import TransferError
+    from fastcache.store.mooncake import STALL_TIMEOUT_S
+    rng = np.random.default_rng(53)
+    with MooncakeService(segment_mb=64) as svc, deployment(SPEC, tp=2, store=svc.url) as (backend, workers):
+        want = fill(workers, [0, 1, 2], rng)
+        src, dst = backend.allocate_cpu_blocks(3), backend.allocate_cpu_blocks(3)
+        hashes = [int(h) for h in rng.integers(0, 2**63, 3)]
+        backend.swap_out([0, 1, 2], src).result(timeout=30)
+        backend.cpu_to_store("hung/task", hashes, src).result(timeout=30)
+        pids = backend.transfer_pids
+        svc.suspend("server")
+        try:
+            fetch = backend.store_to_cpu("hung/task", hashes, dst)
+            for _ in range(3):
+                round_trip(backend, workers, rng)                   # swaps go on meanwhile
+            with pytest.raises(TransferError, match=f"store {svc.url}: get of .* TRANSFER_FAIL"):
+                fetch.result(timeout=STALL_TIMEOUT_S + 15)          # well before Mooncake's own 30 s
+        finally:
+            svc.resume("server")
+        for r in range(2):
+            backend.cpu_tier(r)[dst] = rng.integers(0, 256, backend.cpu_tier(r)[dst].shape, dtype=np.uint8)
+        backend.store_to_cpu("hung/task", hashes, dst).result(timeout=60)
+        for r in range(2):
+            np.testing.assert_array_equal(backend.cpu_tier(r)[dst], want[r])
+        assert backend.transfer_pids == pids

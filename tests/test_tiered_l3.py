@@ -492,3 +492,30 @@ def test_a_store_task_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monke
         assert not handles[1].ranks_lost and cache.stats()["l3_errors"] == 1
         monkeypatch.undo()
         cache.close()
+
+
+def test_an_l3_load_refreshes_the_held_hashes_it_loads_not_only_the_fetched_ones(tmp_path):
+    """Under lru, a load of a held hash and a store-only one is one store of both to the policy: the held
+    one is refreshed, so the next eviction takes the least recently used other hash. Worked by hand,
+    capacity 4: stored 9, 1, 2, 3, 4 (9 evicted into the store); load [1, 9] fetches 9 into 2's block;
+    order now 3, 4, then 1 and 9; a store of 5 evicts 3 (were 1 not refreshed: 1)."""
+    rng = np.random.default_rng(47)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "refresh", capacity=4, write="through", policy="lru")
+        try:
+            want = fill(workers, list(range(6)), rng)
+            for gpu, h in enumerate([9, 1, 2, 3, 4]):
+                cache.store([h], [gpu]).result(timeout=30)
+                assert cache.flush(timeout=30) == 0                 # its put landed: its block can go
+            assert cache.stats()["l3_written_blocks"] == 5
+            assert cache.lookup_tiers([1, 2, 3, 4]) == (4, 0) and cache.lookup_tiers([9]) == (1, 1)
+            poison(workers, [10, 11], rng)
+            cache.load([1, 9], [10, 11]).result(timeout=30)
+            check(workers, [10, 11], [w[[1, 0]] for w in want])
+            assert cache.lookup_tiers([2]) == (1, 1)                # its block went to the fetch
+            cache.store([5], [5]).result(timeout=30)
+            assert cache.stats()["store_full"] == 0
+            assert cache.lookup_tiers([3]) == (1, 1), "the least recently used hash was not the one evicted"
+            assert cache.lookup_tiers([1, 9, 4, 5]) == (4, 0)
+        finally:
+            cache.close(timeout=10)

@@ -4,6 +4,7 @@ workers' side is two WorkerLinks in this process, written (or not) as a worker w
 installed; FASTCACHE_REQUIRE_VLLM=1 makes a missing vLLM a failure."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -13,6 +14,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from fastcache.config import CacheSpec
 from fastcache.eviction import DEFAULT_POLICY
 from fastcache.eviction import POLICIES as _POLICIES
 
@@ -23,6 +25,8 @@ pytestmark = [pytest.mark.vllm,
 RANKS, CHUNKS = 2, 3
 POLICIES = sorted(_POLICIES)
 _engines = itertools.count()
+LINK_SPEC = CacheSpec(num_layers=1, num_gpu_blocks=8, num_cpu_blocks=CHUNKS, block_size=1, num_kv_heads=1,
+                      head_dim=16, cache_dtype="uint8")
 
 
 def key(n: int, group: int = 0) -> bytes:
@@ -33,16 +37,19 @@ def key(n: int, group: int = 0) -> bytes:
 def world(request):
     """A manager over CHUNKS chunks and RANKS workers' links; `land(spec, ranks)` writes the stamps of a
     store or load spec as those ranks would once their copies landed."""
-    from fastcache.config import CacheSpec
+    policy = getattr(request, "param", None)       # parametrize(..., indirect=True) names a policy
+    with manager_world(**({"policy": policy} if policy else {})) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def manager_world(**kwargs):
+    """world's manager and land(), the manager made with these arguments (store=, policy=, ...)."""
     from fastcache.integrations.vllm.link import ManagerLinks, WorkerLink
     from fastcache.integrations.vllm.manager import FastcacheManager
-    spec = CacheSpec(num_layers=1, num_gpu_blocks=8, num_cpu_blocks=CHUNKS, block_size=1, num_kv_heads=1,
-                     head_dim=16, cache_dtype="uint8")
     engine = f"test-manager-{os.getpid()}-{next(_engines)}"
-    workers = [WorkerLink(engine, r, spec, CHUNKS, "ns") for r in range(RANKS)]
-    policy = getattr(request, "param", None)       # parametrize(..., indirect=True) names a policy
-    manager = FastcacheManager(CHUNKS, 1, ManagerLinks(engine, RANKS, wait=1), RANKS,
-                               **({"policy": policy} if policy else {}))
+    workers = [WorkerLink(engine, r, LINK_SPEC, CHUNKS, "ns") for r in range(RANKS)]
+    manager = FastcacheManager(CHUNKS, 1, ManagerLinks(engine, RANKS, wait=1), RANKS, **kwargs)
 
     def land(spec, ranks=range(RANKS), only=None):
         chunks, stamps = spec.block_ids, spec.stamps
@@ -314,3 +321,68 @@ def test_every_policy_evicts_only_ready_unpinned_entries_the_call_does_not_name(
         manager.complete_load([key(k) for k in keys], None)
     assert all(e.state == "ready" and not e.pins for e in manager._entries.values())
     assert len(manager._policy) == len(manager._entries)
+
+
+# -- L3 lookups: the engine's bounded store client -------------------------------------------------
+def l3_key(n: int) -> bytes:
+    """A key whose L3 name (its hash's first 8 bytes) is its own."""
+    return (n + 1).to_bytes(8, "big") * 4 + bytes(4)
+
+
+def l3_put(url, keys_by_rank):
+    """Puts random objects of these keys into the store at url, for each rank's namespace as the workers do."""
+    from fastcache.integrations.vllm.jobs import rank_namespace
+    from fastcache.integrations.vllm.keys import block_hashes
+    from fastcache.store import ObjectKeys, fingerprint, open_store
+    store = open_store(url)
+    try:
+        rng = np.random.default_rng(47)
+        store.attach(rng.integers(0, 256, (CHUNKS, LINK_SPEC.cpu_block_stride), dtype=np.uint8),
+                     LINK_SPEC.cpu_block_bytes)
+        for rank, keys in keys_by_rank.items():
+            ns = ObjectKeys(rank_namespace("ns", 0, rank, RANKS), fingerprint(LINK_SPEC, 1), 0)
+            store.put(ns, block_hashes([l3_key(k) for k in keys], 1), np.arange(len(keys)))
+    finally:
+        store.close()
+
+
+def test_an_l3_lookup_is_a_hit_only_when_every_ranks_own_namespace_holds_the_key(tmp_path):
+    url = f"file://{tmp_path}/l3"
+    l3_put(url, {0: [7, 8], 1: [7, 9]})
+    with manager_world(store=url) as (manager, _):
+        from vllm.v1.kv_offload.base import LookupResult
+        found = [manager.lookup(l3_key(k), None) == LookupResult.HIT for k in (7, 8, 9, 10)]
+        assert found == [True, False, False, False]
+        assert manager._store is not None and manager._store._proc is not None     # asked through the child
+
+
+def test_a_hung_master_costs_a_lookup_a_bounded_miss_and_never_freezes_the_scheduler(monkeypatch):
+    """Against a stopped master Mooncake's client holds the GIL for its whole RPC timeout (30 s, its
+    default): the manager's lookup must not, since vLLM's scheduler runs in that process. The lookup is a
+    miss within its bound while the process's other threads keep running, and the store is set aside."""
+    import threading
+    pytest.importorskip("mooncake.store", reason="Mooncake not installed (pip install 'fastcache[mooncake]')")
+    from vllm.v1.kv_offload.base import LookupResult
+    from fastcache.store.service import MooncakeService
+    monkeypatch.setenv("MC_RPC_TIMEOUT_MS", "30000")       # Mooncake's default: the stall the issue measured
+    bound = 2.0
+    with MooncakeService(segment_mb=0) as svc, manager_world(store=svc.url, store_timeout=bound) as (manager, _):
+        svc.suspend("master")
+        try:
+            answer = []
+            lookup = threading.Thread(target=lambda: answer.append(manager.lookup(key(1), None)), daemon=True)
+            lookup.start()
+            ticks = 0
+            while ticks < 20 and lookup.is_alive():         # this thread runs on while the lookup waits
+                threading.Event().wait(0.01)
+                ticks += 1
+            assert ticks == 20 and lookup.is_alive(), \
+                f"the process's other threads stopped while the lookup waited ({ticks} ticks)"
+            lookup.join(bound + 10)                         # well before the RPC timeout
+            assert not lookup.is_alive(), "a lookup against a hung master outlived its bound"
+            assert answer == [LookupResult.MISS]
+            assert manager._store._proc is None             # the stuck client was stopped
+            assert manager.lookup(key(2), None) == LookupResult.MISS
+            assert manager._store._proc is None             # set aside: not asked again at once
+        finally:
+            svc.resume("master")

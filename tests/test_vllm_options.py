@@ -86,3 +86,12 @@ def test_an_entry_is_stamped_only_when_every_rank_wrote_its_stamp(n):
         links.close()
         for w in workers:
             w.close()
+
+
+def test_the_store_timeout_defaults_to_the_engines_query_bound_and_is_checked():
+    from fastcache.store.remote import QUERY_TIMEOUT
+    assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1}).store_timeout == QUERY_TIMEOUT
+    assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1, "store_timeout": 1.5}).store_timeout == 1.5
+    for bad in (0, -1, 61, True, "5"):
+        with pytest.raises(ConfigError, match="'store_timeout' must be seconds"):
+            VllmOptions.from_extra_config({"cpu_bytes_to_use": 1, "store_timeout": bad})

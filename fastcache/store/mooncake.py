@@ -43,6 +43,9 @@ SEAL_BYTES = 16 << 20        # a sealed put's part: ciphertexts staged in one of
 # Mooncake's timeout of a call to the master (its default is 30 s). `setup` holds the GIL while it waits for
 # a master that does not answer: this bounds that stall of a transfer manager well below its heartbeat timeout
 RPC_TIMEOUT_MS = 3000
+# Mooncake's TCP transport waits this long (its default 30 s) for a status frame, and for any progress of a
+# payload, before it fails a transfer: a get or put on a hung memory server costs the rank's store lane 5 s
+STALL_TIMEOUT_S = 5
 
 
 def set_environment(protocol: str, local_hostname: str):
@@ -52,6 +55,8 @@ def set_environment(protocol: str, local_hostname: str):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
         # parallel connections per peer: +40-70% put/get on loopback here, for fastcache and raw clients alike
         os.environ.setdefault("MC_TCP_LANES_PER_PEER", "4")
+        os.environ.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", str(STALL_TIMEOUT_S))     # a frame, not a payload
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(STALL_TIMEOUT_S))   # sliding: no byte moved
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")   # a dead master fails setup in ~4 s, not 90
     os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(RPC_TIMEOUT_MS))   # a hung master fails a call in 3 s, not 30
     os.environ.setdefault("GLOG_minloglevel", "1")             # Mooncake's INFO lines drown our logs

@@ -8,8 +8,12 @@ lives in `python -m fastcache.store.querier`, and every call waits for its answe
 seconds (QUERY_TIMEOUT by default, the process's start included); a child that does not answer in time is
 killed and the call raises StoreError naming the store. The next call starts a fresh child.
 
-Messages on the child's stdin and stdout: a length-prefixed JSON header, then a length-prefixed raw
-frame (hashes as uint64, answers as one byte per hash). No pickle.
+Questions go on the child's stdin, answers come back on a pipe of their own (the child's stdout and
+stderr are the engine's stderr, so whatever a library prints never reaches the answers). A message is a
+length-prefixed JSON header, then a length-prefixed raw frame (hashes as uint64, answers as one byte per
+hash, 0 or 1). Every question carries a number its answer repeats (the ready message is number 0): an
+answer to another question, or an answer byte other than 0 or 1, fails the call and stops the child. No
+pickle.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .base import StoreError
 from .keys import ObjectKeys
 
 QUERY_TIMEOUT = 5.0         # seconds an engine's store call waits for its answer, at most
+QUERIER = "fastcache.store.querier"     # the child's module: python -m QUERIER URL ANSWER_FD
 LENGTH = struct.Struct("<I")
 MAX_FRAME = 1 << 28
 
@@ -80,13 +85,12 @@ class RemoteStore:
     def __init__(self, url: str, timeout: float = QUERY_TIMEOUT):
         self.url, self.timeout = url, timeout
         self._proc = None
+        self._replies = None                # the read end of the child's answers
+        self._asked = 0                     # the number of the last question
         self._lock = threading.Lock()       # one question at a time on the pipe
 
     def exists_every_rank(self, keys: list[ObjectKeys], hashes: np.ndarray) -> np.ndarray:
-        answer = self._ask("exists", keys, hashes)
-        if len(answer) != len(hashes):
-            raise StoreError(f"store {self.url}: the store client answered {len(answer)} of {len(hashes)} hashes")
-        return np.frombuffer(answer, np.uint8).astype(bool)
+        return np.frombuffer(self._ask("exists", keys, hashes), np.uint8).astype(bool)
 
     def remove(self, keys: ObjectKeys, hashes: np.ndarray):
         self._ask("remove", [keys], hashes)
@@ -97,11 +101,12 @@ class RemoteStore:
             raise self._no_answer("another call is still waiting for the store")
         try:
             proc = self._started(deadline)
-            header = {"op": op, "namespace": keys[0].namespace, "fingerprint": keys[0].fingerprint,
-                      "ranks": [k.rank for k in keys]}
+            self._asked += 1
+            header = {"op": op, "seq": self._asked,
+                      "keys": [[k.namespace, k.fingerprint, k.rank] for k in keys]}    # each rank's own
             try:
                 write_message(proc.stdin.fileno(), header, np.ascontiguousarray(hashes, np.uint64).tobytes(), deadline)
-                reply, payload = read_message(proc.stdout.fileno(), deadline)
+                reply, payload = self._reply(self._asked, deadline)
             except TimeoutError:            # first: it is an OSError too
                 self._stop()
                 raise self._no_answer("a hung master or memory server?") from None
@@ -112,26 +117,51 @@ class RemoteStore:
                                  f"a new one") from None
             if "error" in reply:
                 raise StoreError(str(reply["error"]))
+            answer = np.frombuffer(payload, np.uint8)
+            if op == "exists" and (len(answer) != len(hashes) or (answer > 1).any()):
+                self._stop()
+                raise StoreError(f"store {self.url}: the store client's answer is not one 0 or 1 per hash "
+                                 f"({len(answer)} bytes for {len(hashes)} hashes); the next call starts a new one")
             return payload
         finally:
             self._lock.release()
+
+    def _reply(self, seq, deadline) -> tuple[dict, bytes]:
+        """The answer to question `seq`; ValueError if the child answers another one (a stray reply would
+        shift every later answer)."""
+        reply, payload = read_message(self._replies, deadline)
+        if reply.get("seq") != seq:
+            raise ValueError(f"it answered question {reply.get('seq')!r} when asked question {seq}")
+        return reply, payload
 
     def _started(self, deadline):
         """The child, started (and its store opened) if need be, within the deadline."""
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._stop()
-        self._proc = subprocess.Popen([sys.executable, "-m", "fastcache.store.querier", self.url],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        replies, answer_fd = os.pipe()
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", QUERIER, self.url, str(answer_fd)],
+                                          stdin=subprocess.PIPE, stdout=2, close_fds=True, pass_fds=(answer_fd,))
+        except BaseException:
+            os.close(replies)
+            raise
+        finally:
+            os.close(answer_fd)
+        self._replies, self._asked = replies, 0
         os.set_blocking(self._proc.stdin.fileno(), False)     # a long question to a stuck child keeps the bound
         try:
-            reply, _ = read_message(self._proc.stdout.fileno(), deadline)
+            reply, _ = self._reply(0, deadline)
         except TimeoutError:
             self._stop()
             raise self._no_answer("opening it; a hung master?") from None
-        except (OSError, EOFError, ValueError):
+        except EOFError:
             self._stop()
             raise StoreError(f"store {self.url}: the store client process exited while opening the store") from None
+        except (OSError, ValueError) as exc:
+            self._stop()
+            raise StoreError(f"store {self.url}: the store client process failed while opening the store "
+                             f"({exc or type(exc).__name__})") from None
         if "error" in reply:
             self._stop()
             raise StoreError(str(reply["error"]))
@@ -142,13 +172,15 @@ class RemoteStore:
 
     def _stop(self, grace: float = 0.0):
         proc, self._proc = self._proc, None
+        replies, self._replies = self._replies, None
+        if replies is not None:
+            os.close(replies)
         if proc is None:
             return
-        for pipe in (proc.stdin, proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
         try:
             proc.wait(grace)            # stdin closed: a child that is not stuck exits at once
         except subprocess.TimeoutExpired:

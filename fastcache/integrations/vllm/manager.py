@@ -15,12 +15,17 @@ TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
 - Weights change, the cache goes: reset_cache() (vLLM's reset_prefix_cache(reset_connector=True)) drops every
   entry and moves L3 to a new namespace generation, so nothing stored before is served.
 - L3 (optional): a key missing from the CPU tier but held by the store for every rank is a hit; its load
-  first fetches it into a chunk (the worker runs the fetch, then the swap-in).
+  first fetches it into a chunk (the worker runs the fetch, then the swap-in). The manager asks the store
+  through the engine's bounded client in a child process (store/remote.py), never a store client of its
+  own: Mooncake's client can hold the GIL for a whole RPC timeout against a hung master, which would freeze
+  vLLM's scheduler. A lookup waits for the store at most `store_timeout` seconds; a store that failed or did
+  not answer is a miss and is set aside for STORE_BACKOFF seconds (lookups then miss without asking it).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import numpy as np
 from vllm.v1.kv_offload.base import (LookupResult, OffloadingManager, PrepareStoreOutput,
@@ -28,7 +33,7 @@ from vllm.v1.kv_offload.base import (LookupResult, OffloadingManager, PrepareSto
 
 from ...eviction import DEFAULT_POLICY, make_policy
 from ...store.keys import ObjectKeys, fingerprint
-from ...store.url import open_store
+from ...store.remote import QUERY_TIMEOUT, RemoteStore
 from .keys import block_hashes
 from .link import ManagerLinks
 from .jobs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
@@ -36,6 +41,7 @@ from .jobs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
 log = logging.getLogger("fastcache.vllm")
 
 STORING, READY, FETCHING = "storing", "ready", "fetching"
+STORE_BACKOFF = 10.0        # seconds a failed or silent store is not asked (every lookup a miss meanwhile)
 
 
 class Entry:
@@ -47,7 +53,7 @@ class Entry:
 
 class FastcacheManager(OffloadingManager):
     def __init__(self, num_chunks: int, blocks_per_chunk: int, links: ManagerLinks, world_size: int,
-                 store: str | None = None, policy: str = DEFAULT_POLICY):
+                 store: str | None = None, policy: str = DEFAULT_POLICY, store_timeout: float = QUERY_TIMEOUT):
         self.num_chunks, self.blocks_per_chunk, self.world_size = num_chunks, blocks_per_chunk, world_size
         self._policy = make_policy(policy, num_chunks)     # ValueError naming the choices
         self._links = links
@@ -56,6 +62,8 @@ class FastcacheManager(OffloadingManager):
         self._stamps = itertools.count(1)      # one per store or fetch: a stale stamp never matches
         self.generation = 0                     # reset_cache() count: part of every L3 namespace
         self._store_url, self._store, self._l3_keys = store, None, None
+        self._store_timeout = store_timeout
+        self._store_aside_until = 0.0           # monotonic time before which the store is not asked
 
     # -- lookups ---------------------------------------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
@@ -224,11 +232,13 @@ class FastcacheManager(OffloadingManager):
         self._free.append(entry.chunk)
 
     def _in_store(self, key) -> bool:
+        if time.monotonic() < self._store_aside_until:
+            return False
         try:
             if self._l3_keys is None:
                 spec, namespace = self._links.geometry()
                 if self._store is None:
-                    self._store = open_store(self._store_url)
+                    self._store = RemoteStore(self._store_url, self._store_timeout)
                 fp = fingerprint(spec, 1)
                 scope = self._links.reset_scope
                 self._l3_keys = [ObjectKeys(rank_namespace(namespace, self.generation, r, self.world_size, scope),
@@ -236,5 +246,7 @@ class FastcacheManager(OffloadingManager):
             hashes = block_hashes([key], self.blocks_per_chunk)
             return bool(self._store.exists_every_rank(self._l3_keys, hashes).all())
         except Exception as exc:                # an unreachable store is a miss, never a stall
-            log.warning("fastcache: L3 lookup failed (%s); treating as a miss", exc)
+            self._store_aside_until = time.monotonic() + STORE_BACKOFF
+            log.warning("fastcache: L3 lookup failed (%s); treating as a miss, and not asking the store for %g s",
+                        exc, STORE_BACKOFF)
             return False

@@ -11,12 +11,14 @@ import psutil
 
 from ...config import check_namespace
 from ...eviction import DEFAULT_POLICY, POLICIES
+from ...store.remote import QUERY_TIMEOUT
 from ...store.url import parse_store_url
 
 # Keys vLLM's OffloadingConnector itself reads from the same dict (vllm 0.32): accepted, left to vLLM.
 VLLM_KEYS = frozenset({"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
                        "offload_prompt_only", "self_describing_kv_events"})
-FASTCACHE_KEYS = frozenset({"cpu_bytes_to_use", "store", "namespace", "transfer_timeout", "policy"})
+FASTCACHE_KEYS = frozenset({"cpu_bytes_to_use", "store", "namespace", "transfer_timeout", "policy",
+                            "store_timeout"})
 
 
 class ConfigError(ValueError):
@@ -30,6 +32,7 @@ class VllmOptions:
     namespace: str | None = None     # model and weight version in L3 keys; default: the model's name
     transfer_timeout: float = 30.0   # seconds a transfer may take before vLLM is told it failed
     policy: str = DEFAULT_POLICY     # the CPU tier's eviction policy (fastcache/eviction.py's POLICIES)
+    store_timeout: float = QUERY_TIMEOUT    # seconds a scheduler lookup waits for the store (then a miss)
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> "VllmOptions":
@@ -58,10 +61,15 @@ class VllmOptions:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise ConfigError(f"kv_connector_extra_config: 'transfer_timeout' must be seconds in (0, 3600], "
                               f"got {timeout!r}")
+        store_timeout = extra.get("store_timeout", QUERY_TIMEOUT)
+        if isinstance(store_timeout, bool) or not isinstance(store_timeout, (int, float)) \
+                or not 0 < store_timeout <= 60:
+            raise ConfigError(f"kv_connector_extra_config: 'store_timeout' must be seconds in (0, 60] (how long a "
+                              f"lookup waits for the store before it is a miss), got {store_timeout!r}")
         policy = extra.get("policy")
         if policy is None:
             policy = DEFAULT_POLICY
         elif not isinstance(policy, str) or policy not in POLICIES:
             raise ConfigError(f"kv_connector_extra_config: 'policy' must be one of {sorted(POLICIES)} (the CPU "
                               f"tier's eviction policy; default {DEFAULT_POLICY!r}), got {policy!r}")
-        return cls(int(size), store, namespace, float(timeout), policy)
+        return cls(int(size), store, namespace, float(timeout), policy, float(store_timeout))

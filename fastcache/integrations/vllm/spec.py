@@ -56,7 +56,8 @@ class FastcacheOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             links = ManagerLinks(self.config.engine_id, self.world_size)
             self._manager = FastcacheManager(self.num_chunks, self.blocks_per_chunk, links, self.world_size,
-                                             store=self.options.store, policy=self.options.policy)
+                                             store=self.options.store, policy=self.options.policy,
+                                             store_timeout=self.options.store_timeout)
         return self._manager
 
     def get_worker(self, kv_caches) -> FastcacheWorker:
