@@ -13,7 +13,9 @@ chunks, the trace model). A policy sees keys only; its owner keeps the bytes and
 Policies: `probation`, the default, which gives up first what was stored once and not named since (under a
 GPU cache that stores its evictions: blocks the GPU still holds), learning online how far to protect what was
 named again (see ProbationPolicy); `lru` (least recently used; a call's head ends most recent, so a chain goes
-from its tail); `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size). `probation` is at or above lru and arc at every capacity
+from its tail); `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size); `adaptive`,
+probation's segments and learned room with lru's order over both segments past the room (see AdaptivePolicy).
+`probation` is at or above lru and arc at every capacity
 measured on the three traces and on held-out ones (docs/benchmarks.md, "Eviction policies"), at lru's cost
 within 6-15% in a real store call, and on vLLM's engine computes fewer prefill tokens than lru.
 """
@@ -225,14 +227,16 @@ class ProbationPolicy:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._probation: OrderedDict = OrderedDict()    # stored once, least recent first
-        self._protected: OrderedDict = OrderedDict()    # named again, least recent first
+        self._probation: OrderedDict = OrderedDict()    # stored once, least recent first -> its call
+        self._protected: OrderedDict = OrderedDict()    # named again, least recent first -> its call
         self._ghosts: dict = {}                         # evicted key -> left from probation: this generation ...
         self._old_ghosts: dict = {}                     # ... and the one before
         self._generation = max(1, int(self.GHOSTS * capacity))
         self._room = 0.0                                # protected holds at most capacity - room
         self._step = max(1.0, self.STEP * capacity)
         self._last_read = None                          # the last key of the last load, until the next store
+        self._clock = 0                                 # calls so far: a segment's value is the call that
+        #                                                 placed the key there (adaptive compares them)
 
     def __len__(self):
         return len(self._probation) + len(self._protected)
@@ -253,7 +257,7 @@ class ProbationPolicy:
         else:
             deque(map(prob.pop, keys, repeat(None)), maxlen=0)
             deque(map(prot.pop, keys, repeat(None)), maxlen=0)
-        prot.update(zip(keys, repeat(None)))
+        prot.update(zip(keys, repeat(self._clock)))
 
     def _returned(self, new):
         """the keys of new that a ghost list names, forgotten there"""
@@ -283,15 +287,16 @@ class ProbationPolicy:
                 self._room = min(max(room, 0.0), 0.9 * self.capacity)
 
     def stored(self, keys, new):
+        self._clock += 1
         if self._last_read is not None:
             self._missed(keys)
         returned = self._returned(new) if new else ()
         if len(new) == len(keys) and not returned:      # all new, none wanted back: lru's one insert
-            self._probation.update(zip(reversed(new), repeat(None)))
+            self._probation.update(zip(reversed(new), repeat(self._clock)))
             return
         first = [k for k in new if k not in returned] if returned else new
         if first:
-            self._probation.update(zip(reversed(first), repeat(None)))
+            self._probation.update(zip(reversed(first), repeat(self._clock)))
         if len(first) == len(keys):
             return
         if first:
@@ -301,6 +306,7 @@ class ProbationPolicy:
 
     def touched(self, keys):
         if keys:
+            self._clock += 1
             self._last_read = keys[-1]
             self._protect(keys)
 
@@ -331,7 +337,76 @@ class ProbationPolicy:
         self._room, self._last_read = 0.0, None
 
 
-POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "probation": ProbationPolicy}
+class AdaptivePolicy(ProbationPolicy):
+    """probation's segments, ghosts and learned `room`; past its room, protected competes by recency.
+
+    Under ProbationPolicy, once the misses a load reports (a load stopped short by a block evicted from
+    probation) have moved `room` up, protected's least recent go first while protected holds more than
+    `capacity - room`: a block that waits on probation (stored once) still goes before every protected
+    block within the room, however recent it is and however old they are. Where nothing stores the GPU's
+    evictions, a block stored once is often the next step of a session still running (agent tools, a
+    follow-up question): that order gives it up before blocks named twice long ago, and probation stays up
+    to a point below lru at 4,000-32,000 blocks.
+
+    Here, while protected is over its room, the two segments' least recent are compared by the call that
+    last named each (a clock counting calls), and the older goes: lru's order over the whole cache, until
+    protected is back within its room; then probation first, as in ProbationPolicy. So `room`, learned from
+    which evictions cost a load, sets how much of the cache is ordered by recency (lru) and how much by the
+    filter of blocks stored once (probation): room 0 is ProbationPolicy exactly (where the GPU stores its
+    evictions, room stays near 0 and so does the difference), room at its bound is lru over 90% of the
+    cache. Costs: ProbationPolicy's, plus one stamp per key a load refreshes, and a comparison per victim
+    while protected is over its room.
+    """
+
+    name = "adaptive"
+
+    def _protect(self, keys, held=True):
+        super()._protect(keys, held)
+        self._protected.update(zip(keys, repeat(self._clock)))     # in place: lru's refresh keeps old stamps
+
+    def victims(self, n, skip=None):
+        prob, prot = self._probation, self._protected
+        over = len(prot) - int(self.capacity - self._room)
+        if over <= 0 or n <= 0:
+            return super().victims(n, skip)
+        young, old = oldest_of_two(prob, prot, n, over, skip)
+        taken = young + take_oldest(prob, n - len(young) - len(old), skip)
+        rest = old + take_oldest(prot, n - len(taken) - len(old), skip)
+        ghosts = self._ghosts
+        if taken:
+            ghosts.update(zip(taken, repeat(True)))
+        if rest:
+            ghosts.update(zip(rest, repeat(False)))
+        if len(ghosts) >= self._generation:
+            self._old_ghosts, self._ghosts = ghosts, {}
+        return taken + rest
+
+
+def oldest_of_two(first: OrderedDict, second: OrderedDict, n: int, limit: int, skip=None):
+    """Up to n keys, each the older (by value; ties: second's) of the two dicts' least recent keys for which
+    skip(key) is not true, at most `limit` of them from second; taken out of both. Returns (from first,
+    from second)."""
+    def free(entries):
+        for key in entries:
+            if skip is None or not skip(key):
+                return key
+        return None
+    a, b = iter(first), iter(second)
+    head_a, head_b = free(a), free(b)
+    out_a, out_b = [], []
+    while len(out_a) + len(out_b) < n and len(out_b) < limit and head_b is not None:
+        if head_a is not None and first[head_a] < second[head_b]:
+            out_a.append(head_a)
+            head_a = free(a)
+        else:
+            out_b.append(head_b)
+            head_b = free(b)
+    deque(map(first.__delitem__, out_a), maxlen=0)
+    deque(map(second.__delitem__, out_b), maxlen=0)
+    return out_a, out_b
+
+
+POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "probation": ProbationPolicy, "adaptive": AdaptivePolicy}
 
 
 def make_policy(name: str, capacity: int):
