@@ -361,8 +361,13 @@ class AdaptivePolicy(ProbationPolicy):
     name = "adaptive"
 
     def _protect(self, keys, held=True):
-        super()._protect(keys, held)
-        self._protected.update(zip(keys, repeat(self._clock)))     # in place: lru's refresh keeps old stamps
+        prob, prot = self._probation, self._protected
+        if held and (not prob or prob.keys().isdisjoint(keys)):     # all protected already: lru's refresh,
+            keys = keys[::-1]                                       # and the call's stamp (moving keeps the old)
+            deque(map(prot.move_to_end, keys), maxlen=0)
+            prot.update(zip(keys, repeat(self._clock)))
+        else:
+            super()._protect(keys, held)
 
     def victims(self, n, skip=None):
         prob, prot = self._probation, self._protected
