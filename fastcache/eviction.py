@@ -346,15 +346,15 @@ class AdaptivePolicy(ProbationPolicy):
     block within the room, however recent it is and however old they are. Where nothing stores the GPU's
     evictions, a block stored once is often the next step of a session still running (agent tools, a
     follow-up question): that order gives it up before blocks named twice long ago, and probation stays up
-    to a point below lru at 4,000-32,000 blocks.
+    to 1.1 points below lru at 4,000-32,000 blocks (docs/benchmarks.md, "Eviction policies").
 
     Here, while protected is over its room, the two segments' least recent are compared by the call that
     last named each (a clock counting calls), and the older goes: lru's order over the whole cache, until
     protected is back within its room; then probation first, as in ProbationPolicy. So `room`, learned from
     which evictions cost a load, sets how much of the cache is ordered by recency (lru) and how much by the
     filter of blocks stored once (probation): room 0 is ProbationPolicy exactly (where the GPU stores its
-    evictions, room stays near 0 and so does the difference), room at its bound is lru over 90% of the
-    cache. Costs: ProbationPolicy's, plus one stamp per key a load refreshes, and a comparison per victim
+    evictions, room stays near 0 and so does the difference), room at its bound (0.9 x capacity) orders by
+    recency until protected is down to a tenth of the cache. Costs: ProbationPolicy's, plus one stamp per key a load refreshes, and a comparison per victim
     while protected is over its room.
     """
 
