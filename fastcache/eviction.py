@@ -13,18 +13,16 @@ chunks, the trace model). A policy sees keys only; its owner keeps the bytes and
 Policies: `probation`, the default, which gives up first what was stored once and not named since (under a
 GPU cache that stores its evictions: blocks the GPU still holds), learning online how far to protect what was
 named again (see ProbationPolicy); `lru` (least recently used; a call's head ends most recent, so a chain goes
-from its tail); `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size); and `prefix`, which
-ranks what a prefix cache knows (see PrefixPolicy). `probation` is at or above lru and arc at every capacity
+from its tail); `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size); `adaptive`,
+probation's segments and learned room with lru's order over both segments past the room (see AdaptivePolicy).
+`probation` is at or above lru and arc at every capacity
 measured on the three traces and on held-out ones (docs/benchmarks.md, "Eviction policies"), at lru's cost
 within 6-15% in a real store call, and on vLLM's engine computes fewer prefill tokens than lru.
 """
 from __future__ import annotations
 
-import bisect
-import math
-from collections import Counter, OrderedDict, deque
-from itertools import groupby, islice, repeat
-from operator import itemgetter
+from collections import OrderedDict, deque
+from itertools import islice, repeat
 
 DEFAULT_POLICY = "probation"
 
@@ -182,193 +180,6 @@ class ArcPolicy:
         self.target_t1 = 0.0
 
 
-class PrefixPolicy:
-    """Recency, shifted by how often keys of the same kind of store come back (learned online).
-
-    A prefix cache sees each store call whole: a chain whose head may be held and whose new keys were just
-    computed. How many keys a call adds says much of what comes next: on a chat trace, a turn that adds a
-    short reply is continued about half the time, one that adds a long document about a tenth. So:
-    - **Classes.** A call's keys take the class of its size (the number of keys it added, by bit length:
-      1, 2, 3-4, ..., 16 or more); its last key a class of its own (a prompt's last block is often partial
-      and then never reused), ranked never above the call's body.
-    - **What a class is worth.** Per class, the keys placed and, of those, the keys named again (held and
-      stored or loaded again, or stored again soon after eviction: a ghost list as long as the cache
-      remembers evicted keys, so eviction does not hide its own mistakes). p is their ratio; the counts
-      halve every 16 capacities of insertions, so the order follows a workload that changes.
-    - **The order.** A key's rank is `its last use + SHIFT x mean reuse gap x logit(p)`, the lowest goes
-      first: recency, with a class that comes back often kept longer and one that does not given up sooner.
-      With one class this is LRU. Ages count keys inserted plus one per call.
-    SHIFT (0.3) is a measured choice: at 1 the classes' shifts outweigh recency and the order clogs with
-    old keys of classes that were worth much once (docs/benchmarks.md, "Eviction policies").
-
-    Ranks fall into buckets a 64th of the capacity wide (an OrderedDict each, in the order keys arrived):
-    keys go in and out of a bucket in bulk, as LRU's do, and the victims are the lowest bucket's oldest. A
-    call's keys share a bucket, its last key first and then its body from the tail, so a chain is never cut
-    at its head first.
-    """
-
-    name = "prefix"
-    ADDED = 5                   # classes by keys added, bit length 0..5 (5: 16 or more)
-    SHIFT = 0.3
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._width = max(1, capacity // 64)    # rank units per bucket
-        self._clock = 0                     # ages count keys inserted, plus one per call (recency breaks ties)
-        self._read: set = set()             # keys loaded since the last store call (each reuse counted once)
-        self._meta: dict = {}               # key -> (its class, clock when it was last named, its bucket's number)
-        self._buckets: dict = {}            # bucket number -> OrderedDict of its keys, first in first out
-        self._numbers: list = []            # the buckets' numbers, ascending
-        self._ghosts: OrderedDict = OrderedDict()   # evicted key -> (class, last use), at most capacity
-        self._placed: Counter = Counter()   # class -> keys placed in it
-        self._placed_total = 0
-        self._reused: Counter = Counter()   # class -> of those, named again
-        self._gap_sum, self._gap_count = float(capacity), 1.0    # reuse gaps, for the mean
-        self._offsets_cache, self._offsets_at = {}, None
-
-    def __len__(self):
-        return len(self._meta)
-
-    def __contains__(self, key):
-        return key in self._meta
-
-    def _credit(self, metas):
-        """keys named again, by their (class, last use, ...): each a reuse of its class, after a gap."""
-        metas = list(metas)
-        if not metas:
-            return
-        if metas.count(metas[0]) == len(metas):         # placed by one call (they share one meta)
-            cls, last = metas[0][:2]
-            self._reused[cls] += len(metas)
-            self._gap_sum += (self._clock - last) * len(metas)
-        else:
-            self._reused.update(map(itemgetter(0), metas))
-            self._gap_sum += self._clock * len(metas) - sum(map(itemgetter(1), metas))
-        self._gap_count += len(metas)
-
-    def stored(self, keys, new):
-        if not new:         # nothing added (a tier above gave back what it held): recency only
-            self._refresh(keys)
-            return
-        if len(new) < len(keys):
-            held = [k for k in keys if k in self._meta]
-            again = [k for k in held if k not in self._read]
-            if again:
-                self._credit(map(self._meta.__getitem__, again))
-            self._unlink(held)
-        returned = self._ghosts.keys() & new if self._ghosts else ()
-        if returned:
-            self._credit(map(self._ghosts.pop, returned))
-        self._clock += len(new) + 1
-        self._read.clear()
-        base = min(len(new).bit_length(), self.ADDED) * 2
-        self._place(keys[-1:], base + 1)
-        if len(keys) > 1:
-            self._place(keys[:-1], base)
-        self._placed[base + 1] += 1
-        self._placed[base] += len(keys) - 1
-        self._placed_total += len(keys)
-        if self._placed_total > max(16 * self.capacity, 1 << 16):     # forget slowly: halve every count
-            for counts in (self._placed, self._reused):
-                for c in counts:
-                    counts[c] //= 2
-            self._placed_total = sum(self._placed.values())
-            self._gap_sum, self._gap_count = self._gap_sum / 2, self._gap_count / 2
-
-    def _place(self, keys, cls):
-        """keys (in chain order) into the bucket of their class's rank now, the call's head last."""
-        number = int((self._clock + self._offsets().get(cls, 0.0)) // self._width)
-        bucket = self._buckets.get(number)
-        if bucket is None:
-            bucket = self._buckets[number] = OrderedDict()
-            bisect.insort(self._numbers, number)
-        keys = keys[::-1]
-        bucket.update(zip(keys, repeat(None)))
-        self._meta.update(zip(keys, repeat((cls, self._clock, number))))
-
-    @staticmethod
-    def _runs(keys, metas):
-        """(meta, keys) per run of keys that share one meta (a call's body, its last key), in chain order."""
-        runs, start = [], 0
-        for meta, members in groupby(metas):
-            end = start + len(tuple(members))
-            runs.append((meta, keys[start:end]))
-            start = end
-        return runs
-
-    def _unlink(self, keys, metas=None):
-        """keys out of their buckets, a run at a time; returns the runs."""
-        metas = list(map(self._meta.__getitem__, keys)) if metas is None else metas
-        runs = self._runs(keys, metas)
-        for meta, run in runs:
-            deque(map(self._buckets[meta[2]].__delitem__, run), maxlen=0)
-        return runs
-
-    def touched(self, keys):
-        if not keys:
-            return
-        metas = list(map(self._meta.__getitem__, keys))
-        if self._read.isdisjoint(keys):
-            self._credit(metas)
-        elif not self._read.issuperset(keys):
-            self._credit([m for k, m in zip(keys, metas) if k not in self._read])
-        self._read.update(keys)
-        self._refresh(keys, metas)
-
-    def _refresh(self, keys, metas=None):
-        """keys named again, no class change: each to its class's bucket now."""
-        if not keys:
-            return
-        runs = self._unlink(keys, metas)
-        self._clock += 1
-        for meta, run in reversed(runs):        # the chain's tail first, its head last (most recent)
-            self._place(run, meta[0])
-
-    def _offsets(self):
-        """class -> how far its keys' ranks are shifted (in clock units), recomputed as the clock moves on
-        by a sixteenth of the capacity (the counts change slowly)."""
-        if self._offsets_at is None or self._clock - self._offsets_at >= self.capacity / 16:
-            self._offsets_at = self._clock
-            unit = self.SHIFT * self._gap_sum / self._gap_count
-            offsets = {c: unit * math.log((self._reused[c] + 1) / (max(placed - self._reused[c], 0) + 1))
-                       for c, placed in self._placed.items()}
-            for c in offsets:       # a call's last key (odd class) goes before the body it ends
-                if c & 1 and c - 1 in offsets:
-                    offsets[c] = min(offsets[c], offsets[c - 1] - 0.5)
-            self._offsets_cache = offsets
-        return self._offsets_cache
-
-    def victims(self, n, skip=None):
-        out, emptied = [], 0
-        buckets, numbers = self._buckets, self._numbers
-        for i, number in enumerate(numbers):
-            need = n - len(out)
-            if need <= 0:
-                break
-            bucket = buckets[number]
-            out += take_oldest(bucket, need, skip)
-            if not bucket and emptied == i:
-                emptied += 1                    # a leading empty bucket: dropped below
-        for number in numbers[:emptied]:
-            del buckets[number]
-        del numbers[:emptied]
-        if out:
-            self._ghosts.update(zip(out, map(self._meta.pop, out)))
-            extra = len(self._ghosts) - self.capacity
-            if extra > 0:
-                deque(map(self._ghosts.__delitem__, list(islice(self._ghosts, extra))), maxlen=0)
-        return out
-
-    def remove(self, key):
-        meta = self._meta.pop(key, None)
-        if meta is not None:
-            del self._buckets[meta[2]][key]
-
-    def clear(self):
-        for part in (self._meta, self._buckets, self._numbers, self._ghosts, self._read):
-            part.clear()
-
-
 class ProbationPolicy:
     """A key stored once waits on probation; a key named again is kept by recency. Probation goes first,
     unless the misses it causes say that protected keys should go first instead (learned online).
@@ -416,14 +227,16 @@ class ProbationPolicy:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._probation: OrderedDict = OrderedDict()    # stored once, least recent first
-        self._protected: OrderedDict = OrderedDict()    # named again, least recent first
+        self._probation: OrderedDict = OrderedDict()    # stored once, least recent first -> its call
+        self._protected: OrderedDict = OrderedDict()    # named again, least recent first -> its call
         self._ghosts: dict = {}                         # evicted key -> left from probation: this generation ...
         self._old_ghosts: dict = {}                     # ... and the one before
         self._generation = max(1, int(self.GHOSTS * capacity))
         self._room = 0.0                                # protected holds at most capacity - room
         self._step = max(1.0, self.STEP * capacity)
         self._last_read = None                          # the last key of the last load, until the next store
+        self._clock = 0                                 # calls so far: a segment's value is the call that
+        #                                                 placed the key there (adaptive compares them)
 
     def __len__(self):
         return len(self._probation) + len(self._protected)
@@ -444,7 +257,7 @@ class ProbationPolicy:
         else:
             deque(map(prob.pop, keys, repeat(None)), maxlen=0)
             deque(map(prot.pop, keys, repeat(None)), maxlen=0)
-        prot.update(zip(keys, repeat(None)))
+        prot.update(zip(keys, repeat(self._clock)))
 
     def _returned(self, new):
         """the keys of new that a ghost list names, forgotten there"""
@@ -474,15 +287,16 @@ class ProbationPolicy:
                 self._room = min(max(room, 0.0), 0.9 * self.capacity)
 
     def stored(self, keys, new):
+        self._clock += 1
         if self._last_read is not None:
             self._missed(keys)
         returned = self._returned(new) if new else ()
         if len(new) == len(keys) and not returned:      # all new, none wanted back: lru's one insert
-            self._probation.update(zip(reversed(new), repeat(None)))
+            self._probation.update(zip(reversed(new), repeat(self._clock)))
             return
         first = [k for k in new if k not in returned] if returned else new
         if first:
-            self._probation.update(zip(reversed(first), repeat(None)))
+            self._probation.update(zip(reversed(first), repeat(self._clock)))
         if len(first) == len(keys):
             return
         if first:
@@ -492,6 +306,7 @@ class ProbationPolicy:
 
     def touched(self, keys):
         if keys:
+            self._clock += 1
             self._last_read = keys[-1]
             self._protect(keys)
 
@@ -522,7 +337,81 @@ class ProbationPolicy:
         self._room, self._last_read = 0.0, None
 
 
-POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "prefix": PrefixPolicy, "probation": ProbationPolicy}
+class AdaptivePolicy(ProbationPolicy):
+    """probation's segments, ghosts and learned `room`; past its room, protected competes by recency.
+
+    Under ProbationPolicy, once the misses a load reports (a load stopped short by a block evicted from
+    probation) have moved `room` up, protected's least recent go first while protected holds more than
+    `capacity - room`: a block that waits on probation (stored once) still goes before every protected
+    block within the room, however recent it is and however old they are. Where nothing stores the GPU's
+    evictions, a block stored once is often the next step of a session still running (agent tools, a
+    follow-up question): that order gives it up before blocks named twice long ago, and probation stays up
+    to 1.1 points below lru at 4,000-32,000 blocks (docs/benchmarks.md, "Eviction policies").
+
+    Here, while protected is over its room, the two segments' least recent are compared by the call that
+    last named each (a clock counting calls), and the older goes: lru's order over the whole cache, until
+    protected is back within its room; then probation first, as in ProbationPolicy. So `room`, learned from
+    which evictions cost a load, sets how much of the cache is ordered by recency (lru) and how much by the
+    filter of blocks stored once (probation): room 0 is ProbationPolicy exactly (where the GPU stores its
+    evictions, room stays near 0 and so does the difference), room at its bound (0.9 x capacity) orders by
+    recency until protected is down to a tenth of the cache. Costs: ProbationPolicy's, plus one stamp per key a load refreshes, and a comparison per victim
+    while protected is over its room.
+    """
+
+    name = "adaptive"
+
+    def _protect(self, keys, held=True):
+        prob, prot = self._probation, self._protected
+        if held and (not prob or prob.keys().isdisjoint(keys)):     # all protected already: lru's refresh,
+            keys = keys[::-1]                                       # and the call's stamp (moving keeps the old)
+            deque(map(prot.move_to_end, keys), maxlen=0)
+            prot.update(zip(keys, repeat(self._clock)))
+        else:
+            super()._protect(keys, held)
+
+    def victims(self, n, skip=None):
+        prob, prot = self._probation, self._protected
+        over = len(prot) - int(self.capacity - self._room)
+        if over <= 0 or n <= 0:
+            return super().victims(n, skip)
+        young, old = oldest_of_two(prob, prot, n, over, skip)
+        taken = young + take_oldest(prob, n - len(young) - len(old), skip)
+        rest = old + take_oldest(prot, n - len(taken) - len(old), skip)
+        ghosts = self._ghosts
+        if taken:
+            ghosts.update(zip(taken, repeat(True)))
+        if rest:
+            ghosts.update(zip(rest, repeat(False)))
+        if len(ghosts) >= self._generation:
+            self._old_ghosts, self._ghosts = ghosts, {}
+        return taken + rest
+
+
+def oldest_of_two(first: OrderedDict, second: OrderedDict, n: int, limit: int, skip=None):
+    """Up to n keys, each the older (by value; ties: second's) of the two dicts' least recent keys for which
+    skip(key) is not true, at most `limit` of them from second; taken out of both. Returns (from first,
+    from second)."""
+    def free(entries):
+        for key in entries:
+            if skip is None or not skip(key):
+                return key
+        return None
+    a, b = iter(first), iter(second)
+    head_a, head_b = free(a), free(b)
+    out_a, out_b = [], []
+    while len(out_a) + len(out_b) < n and len(out_b) < limit and head_b is not None:
+        if head_a is not None and first[head_a] < second[head_b]:
+            out_a.append(head_a)
+            head_a = free(a)
+        else:
+            out_b.append(head_b)
+            head_b = free(b)
+    deque(map(first.__delitem__, out_a), maxlen=0)
+    deque(map(second.__delitem__, out_b), maxlen=0)
+    return out_a, out_b
+
+
+POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "probation": ProbationPolicy, "adaptive": AdaptivePolicy}
 
 
 def make_policy(name: str, capacity: int):

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("script,args,expect", [
     ("tier_bench.py", ["--samples", "20"], "store adds"),
-    ("tier_bench.py", ["--samples", "5", "--policy", "lru,arc,prefix"], "x lru's in the same run"),
+    ("tier_bench.py", ["--samples", "5", "--policy", "lru,arc,probation"], "x lru's in the same run"),
     ("queue_floor.py", ["--samples", "100"], "round trip p50"),
     ("index_floor.py", ["--samples", "10"], "TieredCache.store"),
     ("layer_bench.py", ["--layers", "4", "--blocks", "16", "--runs", "2"], "layer 0 in place"),

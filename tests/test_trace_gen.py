@@ -9,7 +9,7 @@ import pytest
 from fastcache.tools.trace_gen import AGENT, BLOCK, generate, write
 from fastcache.tools.trace_model import infinite, load_trace
 
-SHAPES = ("agent", "documents")
+SHAPES = ("agent", "documents", "shifts")
 N = 3000        # requests per test trace: enough for the shapes' statistics, well under a second each
 
 
@@ -139,6 +139,24 @@ def test_documents_shared_across_users(traces):
 def test_documents_follow_ups(traces):
     turns = [len(steps) for steps in by_session(traces["documents"])]
     assert 0.15 * len(turns) < sum(n > 1 for n in turns) < 0.6 * len(turns)
+
+
+# -- shifts ------------------------------------------------------------------------------------------
+def test_shifts_turn_the_mix_over_every_period():
+    """Agent sessions (under one of a few system prompts) and documents sessions (all under one instruction)
+    take turns: most sessions of an even period are agent sessions, most of an odd one documents sessions."""
+    period = 120.0
+    trace = generate("shifts", N, seed=1, sessions=True, period=period)
+    firsts = [steps[0] for steps in by_session(trace)]
+    instruction = Counter(r["hash_ids"][0] for r in firsts).most_common(1)[0][0]    # documents' first block
+    documents = defaultdict(list)                   # period -> a documents session or not, per session
+    for r in firsts:
+        at = r["timestamp"] / 1e3 / period
+        if 0.1 < at % 1 < 0.9:                      # clear of a turnover (timestamps start at the first one)
+            documents[int(at)].append(r["hash_ids"][0] == instruction)
+    shares = {p: sum(d) / len(d) for p, d in documents.items() if len(d) >= 20}
+    assert len(shares) >= 4, shares
+    assert all((share < 0.3) if p % 2 == 0 else (share > 0.7) for p, share in shares.items()), shares
 
 
 # -- the command line --------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ fresh ones, and a prompt's last partial block always a fresh id of its own (when
 formerly partial block becomes a new full block with a new id). Ids are numbered 0, 1, ... in order of
 first appearance, like the production trace's. The same seed gives the same trace.
 
-Both shapes are sessions arriving as a Poisson process (`rate` per second; the defaults make 12,000
-requests span about an hour). Parameters (keyword arguments of `generate`, defaults in AGENT/DOCUMENTS);
+The shapes are sessions arriving as a Poisson process (`rate` per second; the defaults make 12,000
+requests span about an hour). Parameters (keyword arguments of `generate`, defaults in AGENT/DOCUMENTS/SHIFTS);
 token counts drawn lognormal are given by their median and sigma:
 
 agent: LLM agents calling tools. `systems` system prompts (tool descriptions, 4-16 blocks each) with
@@ -29,12 +29,18 @@ documents: many users asking about documents. A shared instruction prefix (`inst
   popular documents are read over and over, while the private ones stream through a cache once and push
   the popular ones out of an LRU.
 
-A cache that never evicts hits 40-80% of either shape's blocks (the tests check this). At the defaults
+shifts: the workload turns over. Sessions of both shapes above (each with its defaults), arriving at
+  `rate` per second; for `period` seconds a `share` of them are agent sessions, for the next `period` the
+  same share are documents sessions, and so on: a cache's best rule (recency for the agent phases, keeping
+  popular documents over private ones streaming past for the documents phases) changes every period.
+
+A cache that never evicts hits 40-80% of each shape's blocks (the tests check this). At the defaults
 (12,000 requests, seed 0; LRU: trace_model.simulate with a GPU of 1,000 blocks and the rest below):
   agent:     389,711 blocks, 92,929 distinct, 64 min; never evicts 76.2%; LRU 4k/8k/16k 51.8/68.4/75.0%
   documents: 390,195 blocks, 106,770 distinct, 61 min; never evicts 72.6%; LRU 4k/8k/16k 46.4/61.9/69.3%
+  shifts:    386,494 blocks, 99,220 distinct, 54 min; never evicts 74.3%; LRU 4k/8k/16k 45.3/61.8/71.1%
 
-  python -m fastcache.tools.trace_gen --shape agent|documents [--requests 12000] [--seed 0] --out PATH
+  python -m fastcache.tools.trace_gen --shape agent|documents|shifts [--requests 12000] [--seed 0] --out PATH
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ BLOCK = 512     # tokens per block (hash_ids name 512-token blocks)
 
 AGENT = dict(rate=0.9, systems=6, zipf=1.2, task=(2000, 1.0), steps=(2.5, 0.7), max_steps=20,
              output=(150, 0.8), tool=(1500, 1.5), think=(60.0, 1.0))
+SHIFTS = dict(rate=1.4, period=900.0, share=0.9)
 DOCUMENTS = dict(rate=2.0, instruction=700, documents=200, zipf=1.0, doc_blocks=(10, 60), private=0.35,
                  question=(256, 1024), output=(300, 0.7), follow_up=0.4, max_turns=8, gap=(60.0, 1.0))
 
@@ -136,7 +143,19 @@ def _documents(rng, ids, p):
     return session
 
 
-SHAPES = {"agent": (AGENT, _agent), "documents": (DOCUMENTS, _documents)}
+def _shifts(rng, ids, p):
+    """session(start) -> [(time_s, record)] for the shifts shape: agent and documents sessions (each shape's
+    defaults), the mix turning over every `period` seconds."""
+    agent, documents = _agent(rng, ids, AGENT), _documents(rng, ids, DOCUMENTS)
+
+    def session(start):
+        agent_phase = int(start // p["period"]) % 2 == 0
+        wants_agent = rng.random() < (p["share"] if agent_phase else 1 - p["share"])
+        return (agent if wants_agent else documents)(start)
+    return session
+
+
+SHAPES = {"agent": (AGENT, _agent), "documents": (DOCUMENTS, _documents), "shifts": (SHIFTS, _shifts)}
 
 
 def generate(shape: str, requests: int = 12000, seed: int = 0, sessions: bool = False, **params) -> list[dict]:
