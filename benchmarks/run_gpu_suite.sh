@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier] [offload] [layers]  (default: all)
+#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier] [offload] [layers] [tasks]  (default: all)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
 #   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu
@@ -10,6 +10,8 @@
 #   offload benchmarks/offload_bench.py on cuda with torch (streamed weights against resident, a layer's compute
 #           beside its copy), then python -m fastcache.launch --offload-weights 0.5 on cuda
 #   layers  benchmarks/layer_bench.py on cuda: layer 0 in place against the whole layer-by-layer swap-in, a stream wait
+#   tasks   benchmarks/task_bench.py on cuda at tp=1 and 2 (both ranks on GPU 0): the one-block task against the
+#           floors of benchmarks/queue_floor.py in the same run, the engine's CPU per task, pipelined tasks/s
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
@@ -96,12 +98,16 @@ run_offload() {
         timeout 120 python3 -m fastcache.launch --device cuda --offload-weights 0.5 2>&1 | tee -a "$OUT/offload.log"
 }
 
+run_tasks() {
+    timeout 300 python3 benchmarks/task_bench.py --device cuda --tp 1 2 2>&1 | tee "$OUT/tasks.log"
+}
+
 run_layers() {
     timeout 180 python3 benchmarks/layer_bench.py --device cuda 2>&1 | tee "$OUT/layers.log"
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier offload layers)
+[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier offload layers tasks)
 status=0
 log_env
 for step in "${steps[@]}"; do
@@ -114,7 +120,8 @@ for step in "${steps[@]}"; do
         tier) run_tier || status=1 ;;
         offload) run_offload || status=1 ;;
         layers) run_layers || status=1 ;;
-        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers)" >&2; status=2 ;;
+        tasks) run_tasks || status=1 ;;
+        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers, tasks)" >&2; status=2 ;;
     esac
 done
 exit $status

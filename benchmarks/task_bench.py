@@ -1,4 +1,4 @@
-"""One-block tasks through SwapBackend on the sim device at tp=1, 2 and 4, against the floors of
+"""One-block tasks through SwapBackend (the sim device, or cuda with torch) at tp=1, 2 and 4, against the floors of
 benchmarks/queue_floor.py measured in the same run:
 
   - round trip (submit -> every rank done) p50/p99, alone and as a multiple of each floor;
@@ -10,6 +10,7 @@ benchmarks/queue_floor.py measured in the same run:
 Every swapped block is checked bit for bit against the random bytes it came from.
 
     python benchmarks/task_bench.py [--tp 1 2 4] [--tasks 2000] [--json]
+    python benchmarks/task_bench.py --device cuda --tp 1        # on a GPU machine (every rank on GPU 0)
 """
 import argparse
 import json
@@ -40,24 +41,46 @@ def thread_clock(name: str):
     raise RuntimeError(f"no thread {name!r} in this process")
 
 
-def rows(worker):
-    """Every tensor of a worker as uint8 rows [blocks, block bytes], in CacheSpec.tensors() order."""
-    return [np.asarray(t).view(np.uint8).reshape(info.num_blocks, info.block_bytes)
-            for info, t in zip(worker.spec.tensors(worker.rank, 0), worker._cache.tensors.values())]
+def tensors(worker):
+    """(TensorInfo, tensor) of every tensor of a worker, in CacheSpec.tensors() order."""
+    return [(info, getattr(worker, info.kind)[info.layer]) for info in worker.spec.tensors(worker.rank, 0)]
 
 
-def measure(tp: int, tasks: int) -> dict:
+def snapshot(worker, device):
+    """A copy of every tensor of a worker as uint8 rows [blocks, block bytes], in CacheSpec.tensors() order."""
+    out = []
+    for info, t in tensors(worker):
+        if device == "cuda":
+            import torch
+            t = t.view(torch.uint8).cpu().numpy()
+        out.append(np.array(np.asarray(t).view(np.uint8).reshape(info.num_blocks, info.block_bytes)))
+    return out
+
+
+def randomize(worker, device, rng):
+    if device == "cuda":
+        import torch
+        for _, t in tensors(worker):
+            t.view(torch.uint8).random_(0, 256)
+        torch.cuda.synchronize()
+        return
+    for info, t in tensors(worker):
+        rows = np.asarray(t).view(np.uint8).reshape(info.num_blocks, info.block_bytes)
+        rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+
+
+def measure(tp: int, tasks: int, device: str = "sim") -> dict:
     spec = CacheSpec(**SPEC)
     rng = np.random.default_rng(tp)
-    with SwapBackend(spec, tp_size=tp, device="sim") as backend:
-        workers = [CacheWorker(spec, rank=r, tp_size=tp, device="sim", suffix=backend.suffix).start()
-                   for r in range(tp)]
+    framework = "torch" if device == "cuda" else "numpy"
+    with SwapBackend(spec, tp_size=tp, device=device, device_ids=[0] * tp) as backend:
+        workers = [CacheWorker(spec, rank=r, tp_size=tp, device=device, suffix=backend.suffix,
+                               framework=framework).start() for r in range(tp)]
         try:
-            backend.wait_ready(timeout=60)
+            backend.wait_ready(timeout=120)
             for w in workers:
-                for r in rows(w):
-                    r[...] = rng.integers(0, 256, r.shape, dtype=np.uint8)
-            want = [[r.copy() for r in rows(w)] for w in workers]
+                randomize(w, device, rng)
+            want = [snapshot(w, device) for w in workers]
             io_clock = thread_clock("fastcache-engine-io")
             for i in range(50):             # warm
                 backend.swap_out([i], [i]).result(timeout=30)
@@ -100,12 +123,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--device", choices=("sim", "cuda"), default="sim")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     results = {}
     for tp in args.tp:
         floors = queue_floor.measure(tp, args.tasks)
-        fig = measure(tp, args.tasks)
+        fig = measure(tp, args.tasks, args.device)
         fig["floors"] = floors
         fig["x_floor"] = {name: fig["p50_us"] / f["p50_us"] for name, f in floors.items()}
         results[tp] = fig
