@@ -43,7 +43,8 @@ def thread_clock(name: str):
 
 def tensors(worker):
     """(TensorInfo, tensor) of every tensor of a worker, in CacheSpec.tensors() order."""
-    return [(info, getattr(worker, info.kind)[info.layer]) for info in worker.spec.tensors(worker.rank, 0)]
+    return [(info, getattr(worker, info.kind)[info.layer])
+            for info in worker.spec.tensors(worker.rank, worker.device_id)]
 
 
 def snapshot(worker, device):
@@ -73,9 +74,10 @@ def measure(tp: int, tasks: int, device: str = "sim") -> dict:
     spec = CacheSpec(**SPEC)
     rng = np.random.default_rng(tp)
     framework = "torch" if device == "cuda" else "numpy"
-    with SwapBackend(spec, tp_size=tp, device=device, device_ids=[0] * tp) as backend:
-        workers = [CacheWorker(spec, rank=r, tp_size=tp, device=device, suffix=backend.suffix,
-                               framework=framework).start() for r in range(tp)]
+    device_ids = [0] * tp if device == "cuda" else list(range(tp))     # cuda: every rank on GPU 0
+    with SwapBackend(spec, tp_size=tp, device=device, device_ids=device_ids) as backend:
+        workers = [CacheWorker(spec, rank=r, tp_size=tp, device=device, suffix=backend.suffix, framework=framework,
+                               device_id=device_ids[r]).start() for r in range(tp)]
         try:
             backend.wait_ready(timeout=120)
             for w in workers:
@@ -108,7 +110,7 @@ def measure(tp: int, tasks: int, device: str = "sim") -> dict:
                     last = b + spec.num_cpu_blocks * ((tasks - 1 - b) // spec.num_cpu_blocks)
                     g = last % spec.num_gpu_blocks
                     wrong += any(not np.array_equal(tier[b, info.cpu_offset:info.cpu_offset + info.block_bytes], t[g])
-                                 for info, t in zip(spec.tensors(r, 0), want[r]))
+                                 for info, t in zip(spec.tensors(r, device_ids[r]), want[r]))
         finally:
             for w in workers:
                 w.close()
