@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier] [offload] [layers] [vmm]
+#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier] [offload] [layers] [tasks] [vmm]
 #                               (default: all but vmm, which `tests` includes)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
 #   tests   python -m pytest -m gpu (tests/test_gpu*.py)
@@ -12,6 +12,8 @@
 #           beside its copy), then python -m fastcache.launch --offload-weights 0.5 on cuda
 #   layers  benchmarks/layer_bench.py on cuda: layer 0 in place against the whole layer-by-layer swap-in, a stream wait
 #   vmm     tests/test_gpu_vmm.py alone: vLLM-shaped cuMemCreate KV tensors shared by POSIX descriptor, clear and restore
+#   tasks   benchmarks/task_bench.py on cuda at tp=1 and 2 (both ranks on GPU 0): the one-block task against the
+#           floors of benchmarks/queue_floor.py in the same run, the engine's CPU per task, pipelined tasks/s
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
@@ -102,12 +104,16 @@ run_vmm() {
     timeout 300 python3 -m pytest -m gpu -q -rs -s -o timeout=180 tests/test_gpu_vmm.py 2>&1 | tee "$OUT/vmm.log"
 }
 
+run_tasks() {
+    timeout 300 python3 benchmarks/task_bench.py --device cuda --tp 1 2 2>&1 | tee "$OUT/tasks.log"
+}
+
 run_layers() {
     timeout 180 python3 benchmarks/layer_bench.py --device cuda 2>&1 | tee "$OUT/layers.log"
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier offload layers)
+[ ${#steps[@]} -eq 0 ] && steps=(tests probe bench launch tier offload layers tasks)
 status=0
 log_env
 for step in "${steps[@]}"; do
@@ -121,7 +127,8 @@ for step in "${steps[@]}"; do
         offload) run_offload || status=1 ;;
         layers) run_layers || status=1 ;;
         vmm) run_vmm || status=1 ;;
-        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers, vmm)" >&2; status=2 ;;
+        tasks) run_tasks || status=1 ;;
+        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers, tasks, vmm)" >&2; status=2 ;;
     esac
 done
 exit $status

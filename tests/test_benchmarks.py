@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("tier_bench.py", ["--samples", "20"], "store adds"),
     ("tier_bench.py", ["--samples", "5", "--policy", "lru,arc,probation"], "x lru's in the same run"),
     ("queue_floor.py", ["--samples", "100"], "round trip p50"),
+    ("task_bench.py", ["--tp", "1", "--tasks", "200"], "wrong blocks 0"),
     ("index_floor.py", ["--samples", "10"], "TieredCache.store"),
     ("layer_bench.py", ["--layers", "4", "--blocks", "16", "--runs", "2"], "layer 0 in place"),
     ("offload_bench.py", ["--layers", "4", "--hidden", "64", "--batch", "4", "--runs", "1"], "50% offloaded"),

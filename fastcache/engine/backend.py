@@ -128,7 +128,7 @@ class SwapBackend:
             self._create_swap_spaces()
             self._weights.create_regions()
             self.socket_dir = make_socket_dir(self.suffix)
-            self._channel.start(self.socket_dir, self.tp_size)
+            self._channel.start(self.socket_dir, self.tp_size, self.suffix)
             for rank in range(self.tp_size):
                 self._ranks.spawn(rank)
         except BaseException:
@@ -138,7 +138,8 @@ class SwapBackend:
 
     def _launch_args(self) -> list[str]:
         """The arguments every transfer manager of this deployment is started with (engine/ranks.py)."""
-        return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device] + \
+        return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device,
+                "--doorbell_fd", str(self._channel.doorbell)] + \
             (["--store", self.store_url.url] if self.store_url else [])
 
     def _check_fits(self):

@@ -2,6 +2,13 @@
 ranks' task pipes (under a lock, in submission order); one I/O thread reads the replies, completes the
 handles rank by rank, records phase acknowledgements, and calls supervision every 100 ms.
 
+The reports of tasks done come through each process's completion ring (ipc/done_ring.py), which the channel
+creates beside its task pipe; the processes ring one doorbell (an eventfd inherited at spawn), which the I/O
+thread polls beside the reply socket. It reads the rings on every wake-up (a lost doorbell costs at most the
+100 ms poll), and again before each reply it takes off the socket, so that a report a rank put in its ring
+before a reply is taken before that reply (a task's done before its rank's phase report). Records the
+rings show bad (another process wrote to the segment) are asked for again over the rank's pipe (`resend`).
+
 TaskChannel is a part SwapBackend owns, the one owner of the pipes and what travels on them: the zmq context,
 the reply socket and each rank's task socket, the submit lock, the numbers sent and the tasks not yet received,
 the handles in flight, the ranks' phase reports and the phase command being watched, and the I/O thread. The
@@ -18,6 +25,7 @@ breaks the phase barrier at once, naming the pipe (docs/design.md §12).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +35,8 @@ import zmq
 
 from ..ipc import protocol
 from ..ipc.barrier import transfer_party
+from ..ipc.done_ring import RING_BYTES, RingReader, ring_name
+from ..ipc.shm import SharedSegment
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, bind_replies, bind_tasks, identity_rank, signed, verified
 
 log = logging.getLogger("fastcache.engine")
@@ -70,14 +80,19 @@ class TaskChannel:
         self._warned: set = set()
         self._context = self._router = self._io_thread = None
         self._task_pushes: list = []                # bound by open_pipe, one socket per process
+        self._rings: dict[int, RingReader] = {}     # rank -> its process's completion ring (made by open_pipe)
+        self._rings_lock = threading.Lock()         # open_pipe and the retiring calls against the I/O thread's reads
+        self.doorbell = None                        # the eventfd every transfer manager rings after a record
         self._io_stop = threading.Event()
 
     # -- start and close ---------------------------------------------------------------------------
-    def start(self, socket_dir: str, tp: int):
-        """Bind the reply socket in socket_dir, room for tp task pipes, and start the I/O thread."""
-        self._socket_dir = socket_dir
+    def start(self, socket_dir: str, tp: int, suffix: str):
+        """Bind the reply socket in socket_dir, room for tp task pipes, the doorbell, and start the I/O thread;
+        suffix names the completion rings."""
+        self._socket_dir, self._suffix = socket_dir, suffix
         self._context = zmq.Context()
         self._router = bind_replies(self._context, socket_dir)
+        self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._task_pushes = [None] * tp
         self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
         self._io_thread.start()
@@ -98,11 +113,22 @@ class TaskChannel:
                 sock.close(0)
         if self._context is not None:
             self._context.term()
+        with self._rings_lock:
+            rings, self._rings = list(self._rings.values()), {}
+        for ring in rings:
+            ring.close()
+        if self.doorbell is not None:
+            os.close(self.doorbell)
+            self.doorbell = None
 
     # -- the task pipes ----------------------------------------------------------------------------
-    def open_pipe(self, rank, incarnation):
-        """A new process for rank (the rank supervisor's spawn): its own task socket, bound here; from now on
-        nothing sent for rank can reach an earlier process's pipe, and the numbers start again from 1."""
+    def open_pipe(self, rank, incarnation) -> tuple:
+        """A new process for rank (the rank supervisor's spawn): its own task socket, bound here, and its own
+        completion ring; from now on nothing sent for rank can reach an earlier process's pipe, nothing an
+        earlier process writes is read, and the numbers start again from 1. Returns the descriptors the
+        process inherits (the doorbell)."""
+        segment = SharedSegment.create(ring_name(self._suffix, rank, incarnation), RING_BYTES, self._suffix)
+        self._replace_ring(rank, RingReader(segment, self._token, rank, incarnation))
         with self._submit_lock:
             old, self._task_pushes[rank] = self._task_pushes[rank], bind_tasks(
                 self._context, self._socket_dir, rank, incarnation)
@@ -110,6 +136,15 @@ class TaskChannel:
                 old.close(0)
             self._sent_seq[rank], self._unreceived[rank] = 0, {}
             self._signals().task_received[rank] = 0
+        return (self.doorbell,)
+
+    def _replace_ring(self, rank, ring):
+        with self._rings_lock:
+            old = self._rings.pop(rank, None)
+            if ring is not None:
+                self._rings[rank] = ring
+        if old is not None:
+            old.close()
 
     def add_pipes(self, tp):
         """Room for the task pipes of ranks up to tp (a scale-out's new ones, bound by open_pipe)."""
@@ -121,16 +156,19 @@ class TaskChannel:
         return rank < len(pushes) and pushes[rank] is not None
 
     def drop_pipe(self, rank):
-        """A retired rank's task pipe goes."""
+        """A retired rank's task pipe and completion ring go."""
         with self._submit_lock:
             push, self._task_pushes[rank] = self._task_pushes[rank], None
             if push is not None:
                 push.close(0)
+        self._replace_ring(rank, None)
 
     def keep_pipes(self, tp):
         """The pipes of ranks below tp only (the others were dropped)."""
         with self._submit_lock:
             self._task_pushes = self._task_pushes[:tp]
+        for rank in [r for r in list(self._rings) if r >= tp]:
+            self._replace_ring(rank, None)
 
     # -- tasks in flight ---------------------------------------------------------------------------
     def send_task(self, handle, message):
@@ -223,9 +261,16 @@ class TaskChannel:
     def _serve(self):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        poller.register(self.doorbell, zmq.POLLIN)
         next_watch = 0.0
         while not self._io_stop.is_set():
             events = dict(poller.poll(100))
+            if self.doorbell in events:
+                try:
+                    os.eventfd_read(self.doorbell)
+                except BlockingIOError:
+                    pass
+            self.read_rings()
             if self._router in events:
                 while True:
                     try:
@@ -233,6 +278,7 @@ class TaskChannel:
                     except zmq.Again:
                         break
                     try:
+                        self.read_rings()           # what a rank put in its ring before this reply comes first
                         self.on_reply(frames)
                     except Exception as exc:        # no single message may end this thread
                         self._warn_once(("reply",), f"reply dropped: {type(exc).__name__}: {exc}")
@@ -243,6 +289,20 @@ class TaskChannel:
                     self._watch_unreceived()        # after the heartbeats: a silent process is named as such
                 self._watch_phase_command()
                 next_watch = time.monotonic() + 0.1
+
+    def read_rings(self):
+        """Complete the handles of every record the ranks' completion rings hold; ask again for bad ones."""
+        with self._rings_lock:
+            read = [(rank, *ring.read()) for rank, ring in self._rings.items()]
+        for rank, records, bad in read:
+            for task_id, nbytes, skipped, seconds in records:
+                self._reply_for(task_id, rank, nbytes=nbytes, skipped=skipped, seconds=seconds)
+            if bad:
+                self._warn_once(("ring", rank), f"rank {rank}: completion records {bad[0]}..{bad[-1]} of its ring "
+                                                f"failed authentication (another process wrote to it); asked for "
+                                                f"again over its task pipe")
+                for first, last in _runs(bad):
+                    self.send_to(rank, protocol.encode("resend", first=first, last=last))
 
     def send_all(self, message, handle=None):
         """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
@@ -428,3 +488,14 @@ class TaskChannel:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
+
+
+def _runs(indices):
+    """(first, last) of each run of consecutive indices."""
+    runs = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [tuple(r) for r in runs]

@@ -37,7 +37,8 @@ class RankSupervisor:
     geometry() -> (spec, tp_size, device_ids, weight layout) the deployment has now; launch_args() -> the
     command-line arguments every transfer manager of the deployment shares (suffix, socket directory, device,
     store); signals() -> the DeploymentSignals; open_pipe(rank, incarnation) binds a new process's task pipe
-    (nothing sent for rank reaches an earlier process's pipe from then on); fail_tasks(rank, why) fails
+    (nothing sent for rank reaches an earlier process's pipe from then on) and returns the descriptors the
+    process inherits (its doorbell); fail_tasks(rank, why) fails
     every task the rank still owes; wake() wakes whoever waits on the ranks (a phase)."""
 
     def __init__(self, tp_size: int, settings, token: bytes, geometry: Callable[[], tuple],
@@ -140,7 +141,7 @@ class RankSupervisor:
         with self._lock:
             incarnation = self._incarnations[rank]
             self._incarnations[rank] += 1
-        self._open_pipe(rank, incarnation)
+        inherited = self._open_pipe(rank, incarnation)
         cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
                "--device_id", str(device_id), "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()),
                "--spec", spec.to_json()] + list(self._launch_args()) + \
@@ -150,7 +151,8 @@ class RankSupervisor:
         signals.transfer_heartbeat[rank] = 0
         if rank < len(signals.weights_ready):
             signals.weights_ready[rank, 1] = 0      # the new process has not attached the weights yet
-        proc = self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+        proc = self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE,
+                                                     **({"pass_fds": inherited} if inherited else {}))
         try:
             proc.stdin.write(self._token.hex().encode() + b"\n")     # the token: not in argv or environ
             proc.stdin.close()

@@ -40,6 +40,8 @@ SCHEMAS = {
     "phase_done": {"phase": str, "rank": int, "copy_seconds": float, "weights_seconds": float},
     "phase_failed": {"phase": str, "rank": int, "error": str},
     "stop": {},
+    # completion records first..last of the rank's ring failed their MAC or were overwritten: report them again
+    "resend": {"first": int, "last": int},
     "ping": {},     # a numbered no-op: shows a rank the gap a phase command taken off its pipe left (engine/channel.py)
     "error": {"error": str},
     # messages numbered first..last never reached this rank: another process took them off its pipe

@@ -4,6 +4,9 @@ It attaches the rank's exported tensors once cache_ready[r] is set, attaches the
 executes swap tasks on one thread per direction, reports each task done or failed, follows the engine
 through clear/restore, beats transfer_heartbeat[r], and exits (logging once) when its worker or its
 engine is gone. It sleeps in zmq's poll when idle.
+
+A task done is reported in the process's completion ring (ipc/done_ring.py), with the engine's doorbell rung
+after it; a failure, anything else, and a report the full ring cannot take go over the reply socket.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..config import CacheSpec, Settings
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
+from ..ipc.done_ring import RingWriter, ring_name
 from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.layers import LayerPublisher
 from ..ipc.manifest import read_manifest
@@ -40,7 +44,8 @@ log = logging.getLogger("fastcache.transfer")
 class TransferManager:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str, incarnation: int,
                  engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None,
-                 store: str | None = None, token: bytes = b"", weights: WeightSpec | None = None):
+                 store: str | None = None, token: bytes = b"", weights: WeightSpec | None = None,
+                 doorbell: int | None = None):
         self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
         self.engine_pid, self.device_id = engine_pid, device_id
         self.settings = settings or Settings.from_env()
@@ -56,6 +61,10 @@ class TransferManager:
         self.unsigned_dropped = 0
         self.done_pull = self.context.socket(zmq.PULL)
         self.done_pull.bind(f"inproc://done{rank}")
+        self.doorbell, self.ring = doorbell, None       # the engine's eventfd, and this process's completion ring
+        if doorbell is not None:
+            self.ring = RingWriter(SharedSegment.attach(ring_name(suffix, rank, incarnation), suffix), token, rank,
+                                   incarnation)
         self.cache = self.swap = self.copier = None
         self.layer_events = None        # cuda: interprocess events per (task slot, layer), for workers' streams
         self.phase = "running"          # running | clearing | cleared | restoring | reshard_prepare | resharding
@@ -69,6 +78,7 @@ class TransferManager:
         self.queues = {lane: queue.Queue() for lane in LANES}
         self.queued = {lane: 0 for lane in LANES}      # handed to the executor, not reported
         self.executing = {}                                           # task id -> task, for the reports
+        self.outcomes = {}                                            # task id -> what an executor's run gave
         self.threads = [threading.Thread(target=self._execute, args=(lane,), daemon=True, name=lane)
                         for lane in LANES]
         self.heartbeat = Heartbeat(self.signals.transfer_heartbeat, rank, self.settings.heartbeat_interval,
@@ -259,6 +269,8 @@ class TransferManager:
                 return "stop"
             elif kind == "ping":
                 pass            # numbered only: its number shows a gap before it (_authentic)
+            elif kind == "resend":
+                self._resend(header["first"], header["last"])
             else:
                 self.send("error", error=f"unexpected message type {kind!r} for a transfer manager")
 
@@ -324,9 +336,24 @@ class TransferManager:
                 self.queued[lane] += 1
                 self.queues[lane].put(task)
 
-    def _finished(self, task, reply):
-        self.sock.send_multipart(signed(self.token, TO_ENGINE, reply))
+    def _finished(self, task, outcome):
+        """Report a task's outcome ((error or None, bytes, puts skipped, seconds)) and start what waited for it."""
+        error, nbytes, skipped, seconds = outcome
+        if error is not None:
+            self.send("failed", task_id=task.task_id, rank=self.rank, error=error)
+        elif self.ring is not None and self.ring.write(task.task_id, nbytes, skipped, seconds):
+            os.eventfd_write(self.doorbell, 1)
+        else:
+            self.send("done", task_id=task.task_id, rank=self.rank, nbytes=nbytes, skipped=skipped, seconds=seconds)
         self._dispatch(self.scheduler.complete(task.task_id))
+
+    def _resend(self, first, last):
+        """The engine found completion records first..last bad (another process wrote to the ring): the same
+        reports again, over the reply socket."""
+        log.warning("rank %d: the engine could not read completion records %d..%d (another process wrote to the "
+                    "ring); sending them again", self.rank, first, last)
+        for task_id, nbytes, skipped, seconds in self.ring.again(first, last) if self.ring is not None else ():
+            self.send("done", task_id=task_id, rank=self.rank, nbytes=nbytes, skipped=skipped, seconds=seconds)
 
     def _drain_completions(self):
         while True:
@@ -334,9 +361,10 @@ class TransferManager:
                 frames = self.done_pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            task = self.executing.pop(int(frames[0]))
+            task_id = int(frames[0])
+            task = self.executing.pop(task_id)
             self.queued[lane_of(task)] -= 1
-            self._finished(task, frames[1:])
+            self._finished(task, self.outcomes.pop(task_id))
 
     def send(self, type_, **fields):
         self.sock.send_multipart(signed(self.token, TO_ENGINE, protocol.encode(type_, **fields)))
@@ -351,10 +379,12 @@ class TransferManager:
                 push.close(0)
                 return
             self.executing[task.task_id] = task
-            push.send_multipart([b"%d" % task.task_id] + self._run(task))
+            self.outcomes[task.task_id] = self._run(task)
+            push.send(b"%d" % task.task_id)
 
-    def _run(self, task) -> list[bytes]:
-        """Execute one task; returns the reply. A failed copy fails its task, never the process."""
+    def _run(self, task) -> tuple:
+        """Execute one task; returns (error or None, bytes, puts skipped, seconds). A failed copy fails its task,
+        never the process."""
         start = time.perf_counter()
         try:
             self._maybe_fail(task)
@@ -371,13 +401,11 @@ class TransferManager:
                 nbytes, skipped = self.l3.run(task, self.swap.blocks, self.spec, self.tp_size)
         except Exception as exc:
             log.error("rank %d: task %d failed: %s", self.rank, task.task_id, exc)
-            return protocol.encode("failed", task_id=task.task_id, rank=self.rank,
-                                   error=f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS])
+            return f"{type(exc).__name__}: {exc}"[:protocol.MAX_ERROR_CHARS], 0, 0, 0.0
         if task.kind in protocol.TASK_KINDS:
             group = self.weights.layout if task.group == protocol.WEIGHTS else self.spec
             nbytes, skipped = group.task_bytes(task.gpu_ids), 0
-        return protocol.encode("done", task_id=task.task_id, rank=self.rank, nbytes=nbytes, skipped=skipped,
-                               seconds=time.perf_counter() - start)
+        return None, nbytes, skipped, time.perf_counter() - start
 
     def _swap_in_layers(self, task):
         layers = LayerPublisher(self.signals.layer_ready, self.rank, task.task_id)
@@ -416,6 +444,8 @@ class TransferManager:
         self.tasks.close(0)
         self.done_pull.close(0)
         self.context.term()
+        if self.ring is not None:
+            self.ring.close()
         self.barrier.close()
         self.signals.close()
 

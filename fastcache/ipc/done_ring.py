@@ -1,0 +1,147 @@
+"""A rank's completion ring (docs/design.md §4): its transfer manager's reports of tasks done, as fixed records
+in a shared-memory segment the engine creates for that process, read by the engine's I/O thread after a
+doorbell (an eventfd the engine hands the process at spawn).
+
+One writer (the transfer manager's main thread) and one reader (the engine's I/O thread). Record i (from 0)
+lives in slot i % SLOTS; the writer fills its body and MAC first and its commit word (i + 1) last, so a reader
+that sees the commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
+After each record the writer publishes how many it has written, and the reader how many it has read, each
+with its own MAC: a slot is reused only once the reader has said, under the token, that it read it.
+
+Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
+without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A
+record that fails its MAC, or is missing while the writer's signed count says it was written, is reported
+by the reader (bad); the engine then asks the transfer manager over its pipe to send those reports again
+over the reply socket. A forged count only makes the ring look fuller: the writer then reports over the
+reply socket, as it does whenever the ring is full.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+import numpy as np
+
+from .naming import segment_name
+from .queue import MAC_BYTES
+
+SLOTS = 256
+RECORD = struct.Struct("<QQQd")         # task id, bytes moved, puts skipped, seconds
+RECORD_BYTES = 64                       # commit word, MAC, body, padding
+COUNT_BYTES = 32                        # a count and its MAC
+HEAD_BYTES = 2 * COUNT_BYTES            # the writer's count, then the reader's
+RING_BYTES = HEAD_BYTES + SLOTS * RECORD_BYTES
+DONE, WRITTEN, READ = b"fastcache>done", b"fastcache>wrote", b"fastcache>read"     # MAC personalisations
+WORD = struct.Struct("<Q")
+ID = struct.Struct("<QI")               # the writer's pid and rank, in every MAC
+
+
+def ring_name(suffix: str, rank: int, incarnation: int) -> str:
+    """The completion ring of one process of rank (its incarnation, as its task endpoint)."""
+    return segment_name(suffix, f"done_rank{rank}.{incarnation}")
+
+
+def _mac(token: bytes, person: bytes, who: bytes, *parts) -> bytes:
+    digest = hashlib.blake2b(key=token, digest_size=MAC_BYTES, person=person)
+    digest.update(who)
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
+
+
+class _Ring:
+    def __init__(self, segment, token: bytes, rank: int, pid: int):
+        if segment.size < RING_BYTES:
+            raise ValueError(f"completion ring {segment.name}: {segment.size} bytes, expected {RING_BYTES}")
+        self.segment, self.token, self.rank = segment, token, rank
+        self.buf = memoryview(segment.array(np.uint8, (RING_BYTES,)))
+        self.words = segment.array(np.uint64, (RING_BYTES // 8,))   # the commit words and counts, one store each
+        self.who = ID.pack(pid, rank)
+
+    def _put_count(self, offset: int, person: bytes, count: int):
+        self.buf[offset + 8:offset + COUNT_BYTES] = _mac(self.token, person, self.who, WORD.pack(count)) + bytes(8)
+        self.words[offset // 8] = count     # the MAC and the count are two stores: a torn read fails the MAC
+
+    def _get_count(self, offset: int, person: bytes) -> int | None:
+        raw = bytes(self.buf[offset:offset + COUNT_BYTES])
+        good = hmac.compare_digest(raw[8:8 + MAC_BYTES], _mac(self.token, person, self.who, raw[:8]))
+        return WORD.unpack_from(raw)[0] if good else None
+
+    def close(self):
+        self.buf.release()
+        self.buf = self.words = None
+        self.segment.close()
+
+
+class RingWriter(_Ring):
+    """The transfer manager's end: write(task_id, nbytes, skipped, seconds) -> False when the ring is full."""
+
+    def __init__(self, segment, token: bytes, rank: int, pid: int):
+        super().__init__(segment, token, rank, pid)
+        self.written = 0
+        self.read = 0           # the reader's last count that passed its MAC
+        self.log = {}           # index -> record body, of those the reader may still ask for again
+
+    def write(self, task_id: int, nbytes: int, skipped: int, seconds: float) -> bool:
+        i = self.written
+        if i - self.read >= SLOTS:
+            read = self._get_count(COUNT_BYTES, READ)
+            if read is not None and self.read <= read <= i:
+                self.read = read
+                for old in [k for k in self.log if k < read]:
+                    del self.log[old]
+            if i - self.read >= SLOTS:
+                return False
+        body = RECORD.pack(task_id, nbytes, skipped, seconds)
+        index = WORD.pack(i + 1)
+        at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
+        self.buf[at + 8:at + 8 + MAC_BYTES + RECORD.size] = _mac(self.token, DONE, self.who, index, body) + body
+        self.words[at // 8] = i + 1         # the commit word, last
+        self.written = i + 1
+        self.log[i] = (task_id, nbytes, skipped, seconds)
+        self._put_count(0, WRITTEN, i + 1)
+        return True
+
+    def again(self, first: int, last: int) -> list[tuple]:
+        """The records first..last that the reader found bad, to send again another way."""
+        return [self.log[i] for i in range(first, last + 1) if i in self.log]
+
+
+class RingReader(_Ring):
+    """The engine's end, for the process `pid` spawned for rank."""
+
+    def __init__(self, segment, token: bytes, rank: int, pid: int):
+        super().__init__(segment, token, rank, pid)
+        self.next = 0
+
+    def read(self) -> tuple[list[tuple], list[int]]:
+        """(records, bad): the (task_id, nbytes, skipped, seconds) of each record written since the last call,
+        and the indices of records that failed their MAC or were overwritten (to be asked for again)."""
+        records, bad = [], []
+        i = self.next
+        while True:
+            at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
+            if int(self.words[at // 8]) == i + 1:
+                raw = bytes(self.buf[at:at + 8 + MAC_BYTES + RECORD.size])
+                body = raw[8 + MAC_BYTES:]
+                if raw[:8] == WORD.pack(i + 1) and hmac.compare_digest(
+                        raw[8:8 + MAC_BYTES], _mac(self.token, DONE, self.who, raw[:8], body)):
+                    records.append(RECORD.unpack(body))
+                else:
+                    bad.append(i)
+                i += 1
+                continue
+            if int(self.words[0]) <= i:
+                break
+            written = self._get_count(0, WRITTEN)
+            if written is None or written <= i:
+                break
+            if int(self.words[at // 8]) == i + 1:
+                continue        # committed since its word was read (the count is published after the record)
+            bad.append(i)       # the writer says, under the token, that record i was written: it was destroyed
+            i += 1
+        if i != self.next:
+            self.next = i
+            self._put_count(COUNT_BYTES, READ, i)
+        return records, bad

@@ -1,0 +1,123 @@
+"""The completion ring on its own (ipc/done_ring.py): a transfer manager's writer and the engine's reader over
+one segment this test creates, and another process of the user writing to it as a forger would."""
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+
+from fastcache.ipc import done_ring
+from fastcache.ipc.done_ring import HEAD_BYTES, RECORD_BYTES, RING_BYTES, SLOTS, RingReader, RingWriter, ring_name
+from fastcache.ipc.shm import SharedSegment
+
+TOKEN = secrets.token_bytes(16)
+
+
+@pytest.fixture
+def ring():
+    suffix = f"test{secrets.token_hex(4)}"
+    name = ring_name(suffix, 1, 3)
+    owner = SharedSegment.create(name, RING_BYTES, suffix)
+    reader = RingReader(owner, TOKEN, 1, 3)
+    writer = RingWriter(SharedSegment.attach(name, suffix), TOKEN, 1, 3)
+    forger = SharedSegment.attach(name, suffix).array(np.uint8, (RING_BYTES,))
+    yield reader, writer, forger
+    writer.close()
+    reader.close()      # the creator's close unlinks the name
+
+
+def records(rng, n):
+    return [(int(rng.integers(1, 1 << 62)), int(rng.integers(0, 1 << 40)), int(rng.integers(0, 9)),
+             float(rng.random())) for _ in range(n)]
+
+
+def slot(i):
+    return HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
+
+
+def test_records_arrive_in_order_once_and_only_under_the_token(ring):
+    reader, writer, _ = ring
+    want = records(np.random.default_rng(1), 40)
+    for r in want[:25]:
+        assert writer.write(*r)
+    got, bad = reader.read()
+    assert (got, bad) == (want[:25], [])
+    assert reader.read() == ([], [])        # read once
+    for r in want[25:]:
+        assert writer.write(*r)
+    assert reader.read() == (want[25:], [])
+    # the negative control: a reader keyed otherwise (another token, rank or process) believes none of them
+    writer.write(*want[0])
+    for token, rank, incarnation in ((bytes(16), 1, 3), (TOKEN, 0, 3), (TOKEN, 1, 2)):
+        other = RingReader(SharedSegment.attach(reader.segment.name), token, rank, incarnation)
+        other.next = 40
+        assert other.read() == ([], [40])
+        other.close()
+
+
+def test_a_full_ring_refuses_a_record_until_the_reader_says_it_read_and_loses_none(ring):
+    reader, writer, forger = ring
+    want = records(np.random.default_rng(2), SLOTS + 1)
+    assert all(writer.write(*r) for r in want[:SLOTS])
+    assert not writer.write(*want[SLOTS])         # full: the manager reports it over the reply socket instead
+    # a forged read count (no MAC) and a replayed one change nothing
+    counts = forger[done_ring.COUNT_BYTES:done_ring.COUNT_BYTES + 8].view(np.uint64)
+    counts[0] = SLOTS
+    assert not writer.write(*want[SLOTS])
+    got, bad = reader.read()
+    assert (got, bad) == (want[:SLOTS], [])
+    assert writer.write(*want[SLOTS])
+    assert reader.read() == ([want[SLOTS]], [])
+
+
+def test_a_forged_or_destroyed_record_is_reported_by_index_and_the_others_arrive(ring):
+    reader, writer, forger = ring
+    want = records(np.random.default_rng(3), 6)
+    for r in want:
+        writer.write(*r)
+    forger[slot(2) + 30] ^= 0xFF               # a byte of record 2's body: its MAC fails
+    forger[slot(5):slot(5) + 8] = 0            # record 5's commit word, the last written: destroyed
+    got, bad = reader.read()
+    assert got == [want[i] for i in (0, 1, 3, 4)] and bad == [2, 5]
+    assert writer.again(2, 2) == [want[2]] and writer.again(5, 5) == [want[5]]     # sent again another way
+
+
+def test_a_forged_count_makes_no_record_look_destroyed(ring):
+    reader, writer, forger = ring
+    want = records(np.random.default_rng(4), 2)
+    writer.write(*want[0])
+    forger[0:8].view(np.uint64)[0] = 100       # the writer's count, without its MAC
+    assert reader.read() == ([want[0]], [])
+    writer.write(*want[1])
+    assert reader.read() == ([want[1]], [])
+
+
+class RacingWords:
+    """The reader's view of the commit words and counts, where the writer commits record `index` and publishes
+    its count just after the reader has read that record's (still empty) commit word."""
+
+    def __init__(self, words, writer, index, record):
+        self.words, self.writer, self.at, self.record, self.raced = words, writer, slot(index) // 8, record, False
+
+    def __getitem__(self, key):
+        value = self.words[key]
+        if key == self.at and not self.raced:
+            self.raced = True
+            self.writer.write(*self.record)
+        return value
+
+    def __setitem__(self, key, value):
+        self.words[key] = value
+
+
+def test_a_record_committed_while_the_reader_looks_at_its_slot_is_read_not_reported(ring):
+    reader, writer, _ = ring
+    want = records(np.random.default_rng(5), 2)
+    writer.write(*want[0])
+    assert reader.read() == ([want[0]], [])
+    reader.words = RacingWords(reader.words, writer, 1, want[1])
+    got, bad = reader.read()
+    assert bad == [] and got in ([], [want[1]])
+    reader.words = reader.words.words
+    assert got + reader.read()[0] == [want[1]]
