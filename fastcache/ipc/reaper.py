@@ -57,29 +57,36 @@ class Reaper:
 
 
 def main():
-    import psutil
-
-    from .leftovers import live_creators, remove_dead
-
     lines, pending = [], b""
     while chunk := os.read(0, 4096):       # until the owner closes the pipe or dies
         *complete, pending = (pending + chunk).split(b"\n")
         lines += complete
-    owner_died = CLOSED not in lines
-    for suffix in dict.fromkeys(line.decode() for line in lines if line and line != CLOSED):
-        if owner_died:          # its processes exit on their own (they watch it): remove theirs once they have
-            psutil.wait_procs(_processes(live_creators(suffix)), timeout=CREATORS_GRACE)
+    reap([line.decode() for line in lines if line and line != CLOSED], owner_died=CLOSED not in lines)
+
+
+def reap(suffixes, owner_died: bool, grace: float = CREATORS_GRACE):
+    """Remove what the dead processes of these deployments left; if the owner died, after waiting up to
+    `grace` seconds for their live creators to exit (they watch the owner and exit on their own)."""
+    import psutil
+
+    from .leftovers import live_creators, remove_dead
+
+    for suffix in dict.fromkeys(suffixes):
+        if owner_died:
+            psutil.wait_procs(_processes(live_creators(suffix)), timeout=grace)
         remove_dead(suffix=suffix)
 
 
 def _processes(creators):
     import psutil
+
+    from .shm import creator_alive
     procs = []
     for pid, start in creators:
         try:
             proc = psutil.Process(pid)
         except psutil.NoSuchProcess:
             continue
-        if abs(proc.create_time() - start) < 0.01:      # not a reused pid
+        if creator_alive(pid, start):       # not a reused pid
             procs.append(proc)
     return procs

@@ -13,8 +13,8 @@ import numpy as np
 import posix_ipc
 import psutil
 
-MAGIC = b"FCSEG001"
-HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start time, payload bytes, suffix
+MAGIC = b"FCSEG002"
+HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start (process_start_time), payload bytes, suffix
 HEADER_BYTES = mmap.PAGESIZE              # the payload starts on a page: the CUDA tier pins it by whole pages
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
@@ -33,7 +33,27 @@ def check_shm_room(need: int, what: str):
                          f"can be had")
 
 
+PROC_DIR = "/proc"
+
+
+def _proc_stat(pid: int):
+    """(state, start in clock ticks since boot) from /proc/PID/stat, None if the process is gone."""
+    try:
+        with open(f"{PROC_DIR}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()      # after the command name, which may hold spaces
+    return fields[0], float(fields[19])                # fields 3 (state) and 22 (starttime) of proc(5)
+
+
 def process_start_time(pid: int) -> float:
+    """What tells a process from a later one with its pid: its start in clock ticks since boot, which no
+    wall-clock step (NTP, a VM's migration) changes. Where there is no /proc, psutil's start time (wall
+    clock, seconds). 0.0 if the process is gone."""
+    if os.path.isdir(PROC_DIR):
+        stat = _proc_stat(pid)
+        return 0.0 if stat is None else stat[1]
     try:
         return psutil.Process(pid).create_time()
     except psutil.Error:
@@ -44,10 +64,13 @@ OWN_START = process_start_time(os.getpid())
 
 
 def creator_alive(pid: int, start_time: float) -> bool:
-    """True if the process that created a segment still runs (a reused pid does not count)."""
+    """True if the process that created a segment still runs (a reused pid does not count, a zombie neither)."""
     if pid <= 0:
         return False
-    try:
+    if os.path.isdir(PROC_DIR):
+        stat = _proc_stat(pid)
+        return stat is not None and stat[1] == start_time and stat[0] != b"Z"
+    try:       # wall-clock seconds: a step of the clock between the two reads makes a live creator look dead
         proc = psutil.Process(pid)
         return abs(proc.create_time() - start_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
