@@ -5,6 +5,7 @@ attacher refuse a segment that another deployment (or another user) put under th
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -138,6 +139,79 @@ class SharedSegment:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class HeldSegment:
+    """A segment only one live process holds: an exclusive flock on it, which the kernel drops when its holder
+    exits or dies. Taking it is one atomic step (the lock), so of two processes taking over a dead holder's
+    segment at once exactly one gets it; the header then names the new holder, for the clean-up tool."""
+
+    def __init__(self, name: str, fd: int):
+        self.name, self._fd = name, fd
+
+    @classmethod
+    def take(cls, name: str, suffix: str) -> "HeldSegment":
+        """SegmentHeld (naming the holder's pid) if a live process holds it."""
+        path = os.path.join(SHM_DIR, name.lstrip("/"))
+        while True:
+            fd = _create_or_open(name, path)
+            if fd is None:
+                continue            # its holder let go between our two tries: create it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = HEADER.unpack_from(os.pread(fd, HEADER.size, 0).ljust(HEADER.size, b"\0"))[1]
+                os.close(fd)
+                raise SegmentHeld(name, pid) from None
+            os.pwrite(fd, HEADER.pack(MAGIC, os.getpid(), OWN_START, 0, suffix.encode()[:32]), 0)
+            if _same_file(path, fd):
+                return cls(name, fd)
+            os.close(fd)            # its holder unlinked it before letting go: take the name anew
+
+    def close(self):
+        """Unlink (if the name is still this segment) and let go."""
+        if self._fd is None:
+            return
+        try:
+            if _same_file(os.path.join(SHM_DIR, self.name.lstrip("/")), self._fd):
+                unlink(self.name)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+class SegmentHeld(SegmentError):
+    def __init__(self, name: str, pid: int):
+        super().__init__(f"{name} is held by live process {pid}")
+        self.pid = pid
+
+
+def _create_or_open(name: str, path: str):
+    """A descriptor of the segment, made now (mode 0600) or there already; None if it vanished meanwhile."""
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES)
+    except posix_ipc.ExistentialError:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SegmentError(f"cannot open {name}: {exc}") from None
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            os.close(fd)
+            raise SegmentError(f"refusing {name}: owned by uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}")
+        return fd
+    fd = os.dup(shm.fd)
+    shm.close_fd()
+    return fd
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 class ProcessMemory:
