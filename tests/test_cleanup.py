@@ -254,11 +254,20 @@ def test_a_wall_clock_step_leaves_a_live_deployment_whole(monkeypatch):
 
 
 def test_without_proc_a_creator_is_told_by_psutil_s_start_time(monkeypatch, tmp_path):
-    """The fallback where /proc is absent: a live process is live, a reused pid or a dead one is not."""
+    """The fallback where /proc is absent (and for a segment that recorded only the wall-clock start): a live
+    process is live, a reused pid or a dead one is not."""
     from fastcache.ipc import shm
-    monkeypatch.setattr(shm, "PROC_DIR", str(tmp_path / "no-proc"))
-    start = shm.process_start_time(os.getpid())
-    assert start > 1e9          # wall-clock seconds, not ticks since boot
-    assert shm.creator_alive(os.getpid(), start)
-    assert not shm.creator_alive(os.getpid(), start - 5)
-    assert not shm.creator_alive(2 ** 22 + 1, start)
+    suffix = new_suffix()
+    older = segment_name(suffix, "wall_clock_only")
+    raw_segment(older, os.getpid(), shm.OWN_START.wall, suffix)      # as a segment without ticks records it
+    try:
+        assert shm.read_creator(older)[1] == shm.Started(shm.OWN_START.wall, None)
+        assert shm.creator_alive(os.getpid(), shm.read_creator(older)[1])
+        monkeypatch.setattr(shm, "PROC_DIR", str(tmp_path / "no-proc"))
+        start = shm.process_start(os.getpid())
+        assert start.ticks is None and start.wall > 1e9         # wall-clock seconds
+        assert shm.creator_alive(os.getpid(), start) and shm.creator_alive(os.getpid(), shm.OWN_START)
+        assert not shm.creator_alive(os.getpid(), start.wall - 5)
+        assert not shm.creator_alive(2 ** 22 + 1, start)
+    finally:
+        unlink(older)

@@ -38,7 +38,8 @@ class Reaper:
         from .shm import OWN_START
         read_end, self._write_end = os.pipe()       # the write end is not inherited by exec'd children
         try:
-            starter = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(os.getpid()), repr(OWN_START)],
+            starter = subprocess.Popen([sys.executable, "-c", BOOTSTRAP, str(os.getpid()), repr(OWN_START.wall),
+                                        repr(OWN_START.ticks)],
                                        stdin=read_end, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
@@ -63,11 +64,13 @@ class Reaper:
 
 
 def main():
-    lines = read_until_owner_gone(int(sys.argv[1]), float(sys.argv[2]))
+    from .shm import Started
+    ticks = None if sys.argv[3] == "None" else float(sys.argv[3])
+    lines = read_until_owner_gone(int(sys.argv[1]), Started(float(sys.argv[2]), ticks))
     reap([line.decode() for line in lines if line and line != CLOSED], owner_died=CLOSED not in lines)
 
 
-def read_until_owner_gone(pid: int, start: float, fd: int = 0) -> list[bytes]:
+def read_until_owner_gone(pid: int, start, fd: int = 0) -> list[bytes]:
     """The lines the owner wrote on fd, once it wrote the closing line, closed the pipe, or exited."""
     from .shm import creator_alive
 
@@ -95,7 +98,7 @@ def read_until_owner_gone(pid: int, start: float, fd: int = 0) -> list[bytes]:
     return lines
 
 
-def _pidfd(pid: int, start: float):
+def _pidfd(pid: int, start):
     """A descriptor that turns readable when the owner exits, or None (no pidfd here: the reaper polls)."""
     from .shm import creator_alive
     try:

@@ -9,13 +9,16 @@ import fcntl
 import mmap
 import os
 import struct
+import typing
 
 import numpy as np
 import posix_ipc
 import psutil
 
-MAGIC = b"FCSEG002"
-HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start (process_start_time), payload bytes, suffix
+MAGIC = b"FCSEG001"
+HEADER = struct.Struct("<8sqdq32s")     # magic, creator pid, creator start (wall clock), payload bytes, suffix
+TICKS = struct.Struct("<8sd")           # right after it: TICKS_MAGIC, the creator's start in ticks since boot
+TICKS_MAGIC = b"FCTICKS1"               # (older segments lack it; older readers do not look at it)
 HEADER_BYTES = mmap.PAGESIZE              # the payload starts on a page: the CUDA tier pins it by whole pages
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 0.9     # never plan to use more than this share of free RAM / /dev/shm
@@ -48,34 +51,47 @@ def _proc_stat(pid: int):
     return fields[0], float(fields[19])                # fields 3 (state) and 22 (starttime) of proc(5)
 
 
-def process_start_time(pid: int) -> float:
-    """What tells a process from a later one with its pid: its start in clock ticks since boot, which no
-    wall-clock step (NTP, a VM's migration) changes. Where there is no /proc, psutil's start time (wall
-    clock, seconds). 0.0 if the process is gone."""
-    if os.path.isdir(PROC_DIR):
-        stat = _proc_stat(pid)
-        return 0.0 if stat is None else stat[1]
+class Started(typing.NamedTuple):
+    """When a process started: wall-clock seconds (psutil) and, where /proc is, clock ticks since boot."""
+    wall: float
+    ticks: float | None = None
+
+
+def process_start(pid: int) -> Started:
+    """What tells a process from a later one with its pid. Its start in clock ticks since boot is what
+    counts where there is /proc: no wall-clock step (NTP, a VM's migration) changes it. The wall-clock start
+    stays beside it, for segments and readers that know only that. Started(0.0) if the process is gone."""
     try:
-        return psutil.Process(pid).create_time()
+        wall = psutil.Process(pid).create_time()
     except psutil.Error:
-        return 0.0
+        return Started(0.0)
+    stat = _proc_stat(pid)
+    return Started(wall, None if stat is None else stat[1])
 
 
-OWN_START = process_start_time(os.getpid())
+OWN_START = process_start(os.getpid())
 
 
-def creator_alive(pid: int, start_time: float) -> bool:
-    """True if the process that created a segment still runs (a reused pid does not count, a zombie neither)."""
+def creator_alive(pid: int, start) -> bool:
+    """True if the process that created a segment still runs (a reused pid does not count, a zombie neither).
+    start: a Started, or wall-clock seconds alone (what an older segment recorded)."""
+    wall, ticks = (start, None) if isinstance(start, (int, float)) else start
     if pid <= 0:
         return False
-    if os.path.isdir(PROC_DIR):
+    if ticks is not None and os.path.isdir(PROC_DIR):
         stat = _proc_stat(pid)
-        return stat is not None and stat[1] == start_time and stat[0] != b"Z"
+        return stat is not None and stat[1] == ticks and stat[0] != b"Z"
     try:       # wall-clock seconds: a step of the clock between the two reads makes a live creator look dead
         proc = psutil.Process(pid)
-        return abs(proc.create_time() - start_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+        return abs(proc.create_time() - wall) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def pack_header(size: int, suffix: str) -> bytes:
+    """This process's header for a segment of `size` payload bytes."""
+    ticks = TICKS.pack(TICKS_MAGIC, OWN_START.ticks) if OWN_START.ticks is not None else b""
+    return HEADER.pack(MAGIC, os.getpid(), OWN_START.wall, size, suffix.encode()[:32]) + ticks
 
 
 class SharedSegment:
@@ -98,7 +114,8 @@ class SharedSegment:
             raise SegmentError(f"shared-memory segment {name} already exists (a stale deployment? "
                                f"run python -m fastcache.tools.cleanup)") from None
         buf = mmap.mmap(shm.fd, HEADER_BYTES)
-        buf[:HEADER.size] = HEADER.pack(MAGIC, os.getpid(), OWN_START, size, suffix.encode()[:32])
+        header = pack_header(size, suffix)
+        buf[:len(header)] = header
         buf.close()
         return cls(name, shm, owner=True)
 
@@ -163,7 +180,7 @@ class HeldSegment:
                 pid = HEADER.unpack_from(os.pread(fd, HEADER.size, 0).ljust(HEADER.size, b"\0"))[1]
                 os.close(fd)
                 raise SegmentHeld(name, pid) from None
-            os.pwrite(fd, HEADER.pack(MAGIC, os.getpid(), OWN_START, 0, suffix.encode()[:32]), 0)
+            os.pwrite(fd, pack_header(0, suffix), 0)
             if _same_file(path, fd):
                 return cls(name, fd)
             os.close(fd)            # its holder unlinked it before letting go: take the name anew
@@ -247,10 +264,14 @@ class ProcessMemory:
 def read_header(buf, name: str):
     if len(buf) < HEADER.size:
         raise SegmentError(f"{name} is too small to be a fastcache segment")
-    magic, pid, start, _size, suffix = HEADER.unpack_from(buf, 0)
+    magic, pid, wall, _size, suffix = HEADER.unpack_from(buf, 0)
     if magic != MAGIC:
         raise SegmentError(f"{name} is not a fastcache segment")
-    return pid, start, suffix.rstrip(b"\0").decode(errors="replace")
+    ticks = None
+    if len(buf) >= HEADER.size + TICKS.size:
+        tag, value = TICKS.unpack_from(buf, HEADER.size)
+        ticks = value if tag == TICKS_MAGIC else None
+    return pid, Started(wall, ticks), suffix.rstrip(b"\0").decode(errors="replace")
 
 
 def read_creator(name: str):
