@@ -1,5 +1,6 @@
 """Shared fixtures. Every test runs under `no_leaks`: a test that leaves a /dev/shm entry, a socket
-directory or a child process behind fails (and its leftovers are removed so the next test starts clean)."""
+directory or a child process behind fails (and its leftovers are removed so the next test starts clean).
+It looks only at what the test's own processes created: other programs' entries are never its business."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -15,39 +17,70 @@ import psutil
 import pytest
 
 from fastcache import CacheSpec, SwapBackend
-from fastcache.ipc.shm import SHM_DIR, SegmentError, creator_alive, read_creator, unlink
+from fastcache.ipc.shm import SHM_DIR, SegmentError, read_creator, unlink
 from fastcache.ipc.queue import OWNER_FILE
 from fastcache.worker import CacheWorker
 
 
-def _shm_entries():
-    """fastcache segments, less those of live processes outside this test run (another program's)."""
-    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+class OwnPids:
+    """This process and every descendant it had while a test ran (sampled on a thread of its own: a child
+    killed before the test ends still counts). Only what these processes created is the test's own: other
+    programs and other copies of the suite, on this machine at the same time, are never looked at."""
+
+    def __init__(self):
+        self.pids = {os.getpid()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="own-pids", daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while True:
+            self.update()
+            if self._stop.wait(0.05):
+                return
+
+    def update(self):
+        try:
+            self.pids.update(p.pid for p in psutil.Process().children(recursive=True))
+        except psutil.Error:
+            pass
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self.update()
+
+    def made(self, suffix: str, creator: int) -> bool:
+        """A suffix starts with the pid of the process that made it (ipc/naming.py)."""
+        head = suffix.split("-", 1)[0]
+        return creator in self.pids or (head.isdigit() and int(head) in self.pids)
+
+
+def _shm_entries(own: OwnPids):
+    """fastcache segments this test's processes created (by the segment's creator or its suffix)."""
     entries = set()
     for entry in os.listdir(SHM_DIR):
         if not entry.startswith("fastcache."):
             continue
         try:
-            pid, start, _ = read_creator(entry)
+            pid, _start, _suffix = read_creator(entry)
         except (OSError, SegmentError):
-            pid, start = 0, 0.0
-        if pid in ours or not creator_alive(pid, start):
+            pid = 0
+        if own.made(entry[len("fastcache."):], pid):
             entries.add(entry)
     return entries
 
 
-def _socket_dirs():
-    """Socket directories, less those of live processes outside this test run (another program's)."""
-    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+def _socket_dirs(own: OwnPids):
+    """Socket directories this test's processes created."""
     dirs = set()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "fastcache.*")):
         try:
             with open(os.path.join(path, OWNER_FILE)) as f:
-                owner = json.load(f)
-            pid, start = int(owner["pid"]), float(owner["start"])
+                pid = int(json.load(f)["pid"])
         except (OSError, ValueError, KeyError, TypeError):
-            pid, start = 0, 0.0
-        if pid in ours or not creator_alive(pid, start):
+            pid = 0
+        if own.made(os.path.basename(path)[len("fastcache."):], pid):
             dirs.add(path)
     return dirs
 
@@ -91,18 +124,23 @@ def vllm_rpc_dir():
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    shm_before, dirs_before, kids_before = _shm_entries(), _socket_dirs(), set(_children())
-    yield
+    own = OwnPids()
+    shm_before, dirs_before, kids_before = _shm_entries(own), _socket_dirs(own), set(_children())
+    try:
+        yield
+    finally:
+        own.stop()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        own.update()
         kids = {pid: p for pid, p in _children().items() if pid not in kids_before and _running(p)}
-        if not kids and not (_shm_entries() - shm_before) and not (_socket_dirs() - dirs_before):
+        if not kids and not (_shm_entries(own) - shm_before) and not (_socket_dirs(own) - dirs_before):
             return
         time.sleep(0.05)
-    shm, dirs = _shm_entries() - shm_before, _socket_dirs() - dirs_before
+    shm, dirs = _shm_entries(own) - shm_before, _socket_dirs(own) - dirs_before
     for p in kids.values():
         p.kill()
-    for entry in shm:
+    for entry in shm:           # only what this test's own processes created
         unlink("/" + entry)
     pytest.fail(f"test leaked: /dev/shm {sorted(shm)}, socket dirs {sorted(dirs)}, "
                 f"processes {sorted(kids)}")

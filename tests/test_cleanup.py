@@ -17,11 +17,13 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from fastcache.ipc.leftovers import remove_dead
 from fastcache.ipc.naming import PREFIX, new_suffix, segment_name
 from fastcache.ipc.queue import make_socket_dir, remove_socket_dir
-from fastcache.ipc.shm import HEADER, HEADER_BYTES, MAGIC, SHM_DIR, SharedSegment
+from fastcache.ipc.reaper import reap
+from fastcache.ipc.shm import HEADER, HEADER_BYTES, MAGIC, SHM_DIR, SharedSegment, unlink
 
-from conftest import all_tensors, deployment, randomize, small_spec
+from conftest import all_tensors, deployment, randomize, round_trip, small_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -211,3 +213,61 @@ def test_cleanup_removes_the_leftovers_of_a_killed_but_unreaped_creator(tmp_path
     finally:
         kill(proc)
         listed(cleanup(), "removed")        # whatever the outcome, leave nothing behind
+
+
+def deployment_entries(suffix):
+    return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(f"{PREFIX}.{suffix}."))
+
+
+def test_a_wall_clock_step_leaves_a_live_deployment_whole(monkeypatch):
+    """A step of the wall clock (NTP's makestep, a VM's migration) moves the boot time psutil adds to every
+    process's start: the clean-up at start and the reaper still see a live deployment's creators as live,
+    remove nothing of it, and the deployment goes on working (a rank restarts); a dead creator's segment,
+    under the same step, is still removed."""
+    import psutil
+    import psutil._pslinux as pslinux       # where psutil reads the boot time it adds
+
+    rng = np.random.default_rng(44)
+    with deployment(small_spec(), tp=1) as (backend, workers):
+        suffix = backend.suffix
+        mine = deployment_entries(suffix)
+        assert len(mine) >= 5 and os.path.isdir(backend.socket_dir)
+        dead = segment_name(suffix, "left_by_a_dead_process")
+        raw_segment(dead, 2 ** 22 + 1, 1.0, suffix)        # above any pid this machine hands out
+        pid = backend.transfer_pids[0]
+        seen = psutil.Process(pid).create_time()
+        real = pslinux.boot_time
+        monkeypatch.setattr(pslinux, "boot_time", lambda: real() + 1.0)     # the clock stepped 1 s
+        assert psutil.Process(pid).create_time() == pytest.approx(seen + 1.0), "the step is not seen"
+        try:
+            assert remove_dead(suffix=suffix) == [("segment", dead, 2 ** 22 + 1)]
+            reap([suffix], owner_died=False)                    # a closed owner's reaper checks once
+            reap([suffix], owner_died=True, grace=0)            # a killed one's, its creators still running
+            assert deployment_entries(suffix) == mine
+            assert os.path.isdir(backend.socket_dir)
+        finally:
+            unlink(dead)
+        round_trip(backend, workers, rng)
+        backend.restart_rank(0)
+        backend.wait_ready(timeout=30)
+        round_trip(backend, workers, rng)
+
+
+def test_without_proc_a_creator_is_told_by_psutil_s_start_time(monkeypatch, tmp_path):
+    """The fallback where /proc is absent (and for a segment that recorded only the wall-clock start): a live
+    process is live, a reused pid or a dead one is not."""
+    from fastcache.ipc import shm
+    suffix = new_suffix()
+    older = segment_name(suffix, "wall_clock_only")
+    raw_segment(older, os.getpid(), shm.OWN_START.wall, suffix)      # as a segment without ticks records it
+    try:
+        assert shm.read_creator(older)[1] == shm.Started(shm.OWN_START.wall, None)
+        assert shm.creator_alive(os.getpid(), shm.read_creator(older)[1])
+        monkeypatch.setattr(shm, "PROC_DIR", str(tmp_path / "no-proc"))
+        start = shm.process_start(os.getpid())
+        assert start.ticks is None and start.wall > 1e9         # wall-clock seconds
+        assert shm.creator_alive(os.getpid(), start) and shm.creator_alive(os.getpid(), shm.OWN_START)
+        assert not shm.creator_alive(os.getpid(), start.wall - 5)
+        assert not shm.creator_alive(2 ** 22 + 1, start)
+    finally:
+        unlink(older)

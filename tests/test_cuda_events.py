@@ -26,7 +26,7 @@ import fastcache.ops.cuda_kernels as kernels  # noqa: E402
 import fastcache.ops.cuda_swap_space as swap_space  # noqa: E402
 from fastcache import TransferError  # noqa: E402
 from fastcache.ipc import protocol  # noqa: E402
-from fastcache.ipc.layers import IN_PLACE, RECORDED, LayerPublisher  # noqa: E402
+from fastcache.ipc.layers import IN_PLACE, OWNER, RECORDED, LayerPublisher, count_of  # noqa: E402
 from fastcache.ipc.naming import new_suffix, segment_name  # noqa: E402
 from fastcache.ipc.shm import SharedSegment  # noqa: E402
 from fastcache.ipc.signal import EVENTS_LAYERS, EVENTS_RING_FREE, LAYER_SLOTS, DeploymentSignals  # noqa: E402
@@ -322,7 +322,8 @@ def test_layers_run_back_to_back_each_event_recorded_after_its_copies_and_in_pla
             assert seen["published"] == list(range(SPEC.total_layers))
             records = [d for _, what, d in lazy.log[start:] if what == "record" and d in slot_events]
             assert records == slot_events, "one event per layer, in layer order"
-            assert [int(v) for v in signals.layer_ready[0, task_id % LAYER_SLOTS]] == [task_id, 4, 4]
+            slot = signals.layer_ready[0, task_id % LAYER_SLOTS]
+            assert [int(slot[OWNER]), count_of(slot, IN_PLACE, task_id), count_of(slot, RECORDED, task_id)] == [task_id, 4, 4]
         events.close()
         assert int(signals.ipc_events[0, EVENTS_LAYERS]) == 0
 
@@ -406,9 +407,9 @@ def test_a_host_wait_returns_only_once_the_layer_is_in_place_not_when_recorded(l
         thread, errors = tm_thread(lambda: copier.swap_in_layers(
             gpu_ids, cpu_ids, SPEC.total_layers, publisher.published, events=events.slot(3), recorded=publisher.recorded))
         deadline = time.monotonic() + 10
-        while int(signals.layer_ready[0, 3, RECORDED]) < SPEC.total_layers and time.monotonic() < deadline:
+        while count_of(signals.layer_ready[0, 3], RECORDED, 3) < SPEC.total_layers and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert int(signals.layer_ready[0, 3, IN_PLACE]) == 0
+        assert count_of(signals.layer_ready[0, 3], IN_PLACE, 3) == 0
         with pytest.raises(TimeoutError, match="not in place"):
             waits.wait(3, 0, timeout=0.2)
         landed = {}
@@ -532,7 +533,7 @@ def test_the_ring_refills_a_slot_only_after_the_workers_stream_is_done_with_it(l
                 if layer >= layout.resident_layers:
                     lazy.on_stream(stream, lambda layer=layer, block=block: reads.__setitem__(
                         layer, np.concatenate([d[block] for d in device])))
-        assert int(signals.weight_layers[0, task_id % LAYER_SLOTS, IN_PLACE]) == 0, "the host waited for copies"
+        assert count_of(signals.weight_layers[0, task_id % LAYER_SLOTS], IN_PLACE, task_id) == 0, "the host waited for copies"
         lazy.gpu_go.set()               # the copy stream runs first, as far as its waits let it
         thread.join(30)
         assert not errors, errors
@@ -546,7 +547,7 @@ def test_the_ring_refills_a_slot_only_after_the_workers_stream_is_done_with_it(l
             assert len(waits_on_free) == streamed
         else:
             assert wrong, "without the slot-free wait a slot must be overwritten before it was read"
-        assert int(signals.weight_layers[0, task_id % LAYER_SLOTS, IN_PLACE]) == streamed
+        assert count_of(signals.weight_layers[0, task_id % LAYER_SLOTS], IN_PLACE, task_id) == streamed
         lazy.abandon()
         worker.layer_waits.close()
         free.close()

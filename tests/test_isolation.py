@@ -383,3 +383,65 @@ def test_bad_requests_raise_value_error_and_send_nothing(live, label, direction,
     after = backend.swap_out([0], [0]).result(timeout=10)
     assert after.task_id == fence.task_id + 1
     assert_same(snapshot(backend, workers), before)
+
+
+ROUNDS = 150
+DEAD_PID = 2 ** 22 + 1          # above any pid a Linux machine hands out
+
+
+def _dead_claim(suffix):
+    """A rank's claim as a worker that died left it: its header names a process that is gone."""
+    import mmap
+    import posix_ipc
+    from fastcache.ipc.shm import HEADER, HEADER_BYTES, MAGIC
+    name = segment_name(suffix, "worker_rank0")
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES + 8)
+    with mmap.mmap(shm.fd, HEADER_BYTES) as buf:
+        buf[:HEADER.size] = HEADER.pack(MAGIC, DEAD_PID, 1.0, 8, suffix.encode())
+    shm.close_fd()
+
+
+def _taker(suffix, barrier, results):
+    from fastcache.worker.cache_worker import claim_rank
+    for _ in range(ROUNDS):
+        barrier.wait()                  # the dead worker's claim is there
+        try:
+            claim = claim_rank(suffix, 0)
+        except (TransferError, SegmentError):        # refused (a live worker holds it), or lost the race
+            claim = None
+        results.put(claim is not None)
+        barrier.wait()                  # both took or were refused
+        if claim is not None:
+            claim.close()
+        barrier.wait()                  # the winner let go
+
+
+def test_two_workers_taking_over_a_dead_worker_s_rank_at_once_one_gets_it():
+    """Two processes race, round after round, to take over the claim a dead worker left for its rank:
+    exactly one gets it each time, and the name is free again once it lets go."""
+    import multiprocessing
+    from fastcache.ipc.shm import unlink
+    suffix = new_suffix()
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    takers = [ctx.Process(target=_taker, args=(suffix, barrier, results)) for _ in range(2)]
+    for p in takers:
+        p.start()
+    winners = []
+    try:
+        for _ in range(ROUNDS):
+            _dead_claim(suffix)
+            barrier.wait(timeout=60)
+            winners.append(results.get(timeout=60) + results.get(timeout=60))
+            barrier.wait(timeout=60)
+            barrier.wait(timeout=60)
+            assert not entries(suffix), "the winner's claim outlived its close"
+        assert winners == [1] * ROUNDS, f"rounds with two owners: {winners.count(2)}, none: {winners.count(0)}"
+    finally:
+        barrier.abort()
+        for p in takers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        unlink(segment_name(suffix, "worker_rank0"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 
 from conftest import all_tensors, cpu_image, deployment, randomize, round_trip, small_spec
 from fastcache import RefusedError, TransferError
-from fastcache.ipc.layers import FAILED, SlotClaims, layers_in_place
+from fastcache.ipc.layers import FAILED, IN_PLACE, OWNER, LayerPublisher, SlotClaims, layers_in_place, wait_layer
 from fastcache.ipc.signal import LAYER_SLOTS
 from fastcache.transfer.manager import TEST_LAYER_PACE, TEST_SWAP_OUT_GATE
 
@@ -274,3 +275,77 @@ def test_the_engine_never_gives_two_unfinished_tasks_one_slot():
     assert again % LAYER_SLOTS == first % LAYER_SLOTS
     with pytest.raises(ValueError, match="not a layer-by-layer task"):
         layers_in_place(np.zeros((2, LAYER_SLOTS, 3), np.int64), 1, first, claims=claims)
+
+
+class OvertakenSlot:
+    """One slot of layer_ready as a late task's publisher sees it: right after it reads the slot's task id (its
+    ownership check), a later task takes the slot over, as another thread of the transfer manager can."""
+
+    def __init__(self, real, take_over):
+        self.real, self.take_over = real, take_over
+
+    def __getitem__(self, field):
+        value = self.real[field]
+        if field == OWNER and self.take_over is not None:
+            take_over, self.take_over = self.take_over, None
+            take_over()
+        return value
+
+    def __setitem__(self, field, value):
+        self.real[field] = value
+
+
+def test_a_late_task_s_count_is_never_read_as_the_later_task_s_own():
+    """Task 1 ran late on rank 0 (the engine failed it there and released its slot); task 65 claimed the slot,
+    and its publisher took it over between task 1's ownership check and its write: a wait for task 65 still
+    waits for task 65's own layers, and returns once they are in place."""
+    import itertools
+    ready = np.zeros((1, LAYER_SLOTS, 3), np.int64)
+    claims = np.zeros((1, LAYER_SLOTS, 2), np.int64)
+    slots = SlotClaims("a layer-by-layer swap-in")
+    SlotClaims.open(claims)
+    ids = itertools.count(1)
+    first = slots.claim(claims, [0], ids)
+    late = LayerPublisher(ready, 0, first)
+    late.published(0)
+    SlotClaims.settle(claims, 0, first, ok=False)       # failed on rank 0 by the engine; it still runs there
+    slots.release(first)
+    for _ in range(LAYER_SLOTS - 1):
+        next(ids)
+    later = slots.claim(claims, [0], ids)
+    assert later % LAYER_SLOTS == first % LAYER_SLOTS
+    publishers = []
+    late._slot = OvertakenSlot(ready[0, first % LAYER_SLOTS],
+                               lambda: publishers.append(LayerPublisher(ready, 0, later)))
+    late.published(2)                               # three layers of task 1, written into task 65's slot
+    assert publishers and int(ready[0, later % LAYER_SLOTS, OWNER]) == later, "the take-over did not happen"
+    assert layers_in_place(ready, 0, later, claims=claims) == 0
+    signals = types.SimpleNamespace(layer_ready=ready, layer_claims=claims)
+    with pytest.raises(TimeoutError):
+        wait_layer(signals, [0], later, 2, timeout=0.2)
+    for layer in range(3):
+        publishers[0].published(layer)
+    wait_layer(signals, [0], later, 2, timeout=30)
+    assert layers_in_place(ready, 0, later, claims=claims) == 3
+
+
+def test_a_handle_released_twice_frees_only_its_own_slot():
+    """A second release of a finished task's id, after a later task took its slot, leaves the later task's
+    claim held: the next claim does not get that slot."""
+    import itertools
+    claims = np.zeros((1, LAYER_SLOTS, 2), np.int64)
+    slots = SlotClaims("a layer-by-layer swap-in")
+    SlotClaims.open(claims)
+    ids = itertools.count(1)
+    first = slots.claim(claims, [0], ids)
+    slots.release(first)
+    for _ in range(LAYER_SLOTS - 1):
+        next(ids)
+    later = slots.claim(claims, [0], ids)
+    assert later % LAYER_SLOTS == first % LAYER_SLOTS
+    slots.release(first)                            # the first handle again
+    held = [slots.claim(claims, [0], ids) for _ in range(LAYER_SLOTS - 1)]
+    assert later % LAYER_SLOTS not in {t % LAYER_SLOTS for t in held}
+    with pytest.raises(RefusedError, match="in flight"):
+        slots.claim(claims, [0], ids)
+    assert int(claims[0, later % LAYER_SLOTS, 0]) == later

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -517,3 +518,21 @@ def test_a_store_being_opened_by_one_backend_does_not_hold_up_another(tmp_path):
                          daemon=True).start()
         assert answered.wait(10), "backend b waited for backend a's store"
     b._store_tasks.close()
+
+
+@pytest.mark.parametrize("library, how", [("libnuma.so.1", "apt-get install libnuma1"),
+                                          ("libfoo.so.7", "apt-file search libfoo.so.7")])
+def test_a_mooncake_master_without_a_system_library_says_which_and_how_to_install_it(tmp_path, monkeypatch,
+                                                                                      library, how):
+    """The master's binary stops in the dynamic loader (the message ld.so prints, exit 127): the error names
+    the library and how to install it, not only the log's last lines."""
+    from fastcache.store import service
+    from fastcache.store.base import StoreError
+    binary = tmp_path / "mooncake_master"
+    binary.write_text("#!/bin/sh\necho \"$0: error while loading shared libraries: "
+                      f"{library}: cannot open shared object file: No such file or directory\" >&2\nexit 127\n")
+    binary.chmod(0o700)
+    monkeypatch.setattr(service, "mooncake_binary", lambda name: str(binary))
+    svc = service.MooncakeService(segment_mb=0)
+    with pytest.raises(StoreError, match=f"system library {re.escape(library)} is missing: .*{re.escape(how)}"):
+        svc.start()         # its stop() on the way out removes the log directory

@@ -8,8 +8,10 @@ task it claimed the slot for, and RUNNING until that rank reported the task (DON
 engine decides itself included: a lost message, a dead rank). A slot names its task, and a wait reads only
 its own task's progress: a task id the claims do not name is refused, never read as finished.
 
-A slot is [task id, layers in place, layers recorded]. The writer zeroes both counts before it names the
-task, so a reader that sees its task id reads counts of that task.
+A slot is [task id, layers in place, layers recorded]. Each count is written in one store together with the
+id of the task it counts (`task id * SPAN + count + 1`), and a reader takes only a count its own task wrote:
+a task that runs late on a rank (the engine failed it there, and its slot serves a later task) may write
+after the later task took the slot, past its check of the slot's task id, but never as the later task.
 - in place: that many leading layers have their bytes on the device. Host waiters (the engine's handle, a
   worker's wait without a stream) wait for this.
 - recorded: on cuda, the transfer manager has recorded that many layers' interprocess events on its copy
@@ -31,7 +33,18 @@ RUNNING, DONE = 0, 1    # outcomes in the claims table
 UNCLAIMED = -1          # the claimed id of a slot no task has had yet (0: no engine keeps claims, as in tests
                         # that drive a transfer manager's side alone; the slot then answers by itself)
 OWNER, IN_PLACE, RECORDED = 0, 1, 2     # a slot's fields
+SPAN = 1 << 20          # a count field holds task id * SPAN + count + 1 (counts below SPAN - 1)
 CLAIMED, OUTCOME = 0, 1                 # a claim's fields
+
+
+def count_word(task_id: int, count: int) -> int:
+    return task_id * SPAN + count + 1
+
+
+def count_of(slot, field: int, task_id: int) -> int:
+    """A slot's count in `field` (IN_PLACE or RECORDED) if task_id wrote it (FAILED included), else 0."""
+    word = int(slot[field])
+    return word % SPAN - 1 if word // SPAN == task_id else 0
 
 
 class LayerPublisher:
@@ -52,20 +65,20 @@ class LayerPublisher:
 
     def recorded(self, layer: int):
         if self._mine():
-            self._slot[RECORDED] = layer + 1
+            self._slot[RECORDED] = count_word(self._task_id, layer + 1)
 
     def published(self, layer: int):
         if not self._mine():
             return
-        if self._slot[RECORDED] < layer + 1:        # sim: in place without an event
-            self._slot[RECORDED] = layer + 1
-        self._slot[IN_PLACE] = layer + 1
+        if count_of(self._slot, RECORDED, self._task_id) < layer + 1:     # sim: in place without an event
+            self._slot[RECORDED] = count_word(self._task_id, layer + 1)
+        self._slot[IN_PLACE] = count_word(self._task_id, layer + 1)
 
     def failed(self):
         """The task failed on this rank: a waiter on it raises instead of waiting for its timeout."""
         if self._mine():
-            self._slot[RECORDED] = FAILED
-            self._slot[IN_PLACE] = FAILED
+            self._slot[RECORDED] = count_word(self._task_id, FAILED)
+            self._slot[IN_PLACE] = count_word(self._task_id, FAILED)
 
 
 class SlotClaims:
@@ -122,7 +135,7 @@ def layers_in_place(layer_ready, rank: int, task_id: int, field: int = IN_PLACE,
     took is refused as well."""
     index = task_id % LAYER_SLOTS
     slot = layer_ready[rank, index]
-    owner, count = int(slot[OWNER]), int(slot[field])
+    owner, count = int(slot[OWNER]), count_of(slot, field, task_id)     # 0 unless task_id wrote it
     claimed = int(claims[rank, index, CLAIMED]) if claims is not None else 0
     if claimed:
         outcome = int(claims[rank, index, OUTCOME])
@@ -132,10 +145,10 @@ def layers_in_place(layer_ready, rank: int, task_id: int, field: int = IN_PLACE,
             return FAILED
         if outcome == DONE:
             return float("inf")
-        return count if owner == task_id else 0        # not started on this rank yet
+        return count
     if owner > task_id:
         raise ValueError(unknown_task(rank, task_id, owner))
-    return count if owner == task_id else 0
+    return count
 
 
 def unknown_task(rank: int, task_id: int, holder: int) -> str:

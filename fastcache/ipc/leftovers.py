@@ -12,7 +12,7 @@ import tempfile
 
 from .naming import PREFIX
 from .queue import OWNER_FILE, remove_socket_dir
-from .shm import SHM_DIR, SegmentError, creator_alive, read_creator, unlink
+from .shm import SHM_DIR, SegmentError, Started, creator_alive, read_creator, unlink
 
 
 def find_stale(suffix: str = ""):
@@ -21,7 +21,7 @@ def find_stale(suffix: str = ""):
     return [(kind, name, pid) for kind, name, (pid, _start), alive in _entries(suffix) if not alive]
 
 
-def live_creators(suffix: str) -> set[tuple[int, float]]:
+def live_creators(suffix: str) -> set[tuple[int, Started]]:
     """(pid, start time) of every live process that created one of a deployment's segments or socket dirs."""
     return {(pid, start) for _kind, _name, (pid, start), alive in _entries(suffix) if alive}
 
@@ -41,7 +41,8 @@ def _entries(suffix: str):
         try:
             with open(os.path.join(path, OWNER_FILE)) as f:
                 owner = json.load(f)
-            pid, start = int(owner["pid"]), float(owner["start"])
+            ticks = owner.get("start_ticks")
+            pid, start = int(owner["pid"]), Started(float(owner["start"]), None if ticks is None else float(ticks))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         entries.append(("socket dir", path, (pid, start), creator_alive(pid, start)))

@@ -78,7 +78,8 @@ def make_socket_dir(suffix: str) -> str:
     path = tempfile.mkdtemp(prefix=f"{PREFIX}.{suffix}.")
     os.chmod(path, 0o700)
     with open(os.path.join(path, OWNER_FILE), "w") as f:
-        json.dump({"pid": os.getpid(), "start": OWN_START, "suffix": suffix}, f)
+        json.dump({"pid": os.getpid(), "start": OWN_START.wall, "start_ticks": OWN_START.ticks, "suffix": suffix},
+                  f)
     return path
 
 

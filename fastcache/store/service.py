@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,12 @@ import time
 from .base import StoreError
 
 LOOPBACK = "127.0.0.1"
+MISSING_LIBRARY = re.compile(r"error while loading shared libraries: ([^:\s]+): cannot open shared object file")
+# Debian/Ubuntu packages of the system libraries Mooncake's binaries link that a slim image may lack
+LIBRARY_PACKAGES = {"libnuma.so.1": "libnuma1", "libibverbs.so.1": "libibverbs1", "librdmacm.so.1": "librdmacm1",
+                    "libjsoncpp.so.25": "libjsoncpp25", "libunwind.so.8": "libunwind8",
+                    "libgflags.so.2.2": "libgflags2.2", "libglog.so.0": "libgoogle-glog0v6",
+                    "libcurl.so.4": "libcurl4", "libssl.so.3": "libssl3", "libzstd.so.1": "libzstd1"}
 
 
 def mooncake_binary(name: str) -> str:
@@ -51,6 +58,18 @@ def _listening(host: str, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def missing_library(log: str) -> str | None:
+    """What to install, if a binary's log says the dynamic loader found no such system library."""
+    found = MISSING_LIBRARY.search(log)
+    if found is None:
+        return None
+    library = found.group(1)
+    package = LIBRARY_PACKAGES.get(library)
+    how = f"apt-get install {package}" if package else \
+        f"install the system package that provides it (apt-file search {library}; dnf provides '*/{library}')"
+    return f"the system library {library} is missing: {how}"
 
 
 class MooncakeService:
@@ -127,7 +146,8 @@ class MooncakeService:
         deadline = time.monotonic() + self.start_timeout
         while not _listening(self.host, port):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise StoreError(f"Mooncake {what} did not start on port {port}: {self.log_tail(what)}")
+                log = self.log_tail(what)
+                raise StoreError(f"Mooncake {what} did not start on port {port}: {missing_library(log) or log}")
             time.sleep(0.02)
 
     def log_tail(self, what: str, n: int = 1500) -> str:

@@ -16,7 +16,7 @@ from ..ipc.fds import FdServer, find_socket_dir
 from ..ipc.heartbeat import Heartbeat
 from ..ipc.manifest import write_manifest
 from ..ipc.naming import segment_name
-from ..ipc.shm import SegmentError, SharedSegment, creator_alive, read_creator, unlink
+from ..ipc.shm import HeldSegment, SegmentHeld
 from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
@@ -35,23 +35,15 @@ def close_local_workers(suffix: str):
         worker.close()
 
 
-def claim_rank(suffix: str, rank: int) -> SharedSegment:
+def claim_rank(suffix: str, rank: int) -> HeldSegment:
     """A segment only one live worker of a deployment's rank can hold: a second worker would export over the
-    first one's tensors and take its place in the phase barrier. The claim of a worker that died passes on."""
-    name = segment_name(suffix, f"worker_rank{rank}")
+    first one's tensors and take its place in the phase barrier. The claim of a worker that died passes on,
+    to one worker only (ipc/shm.py HeldSegment: a lock the kernel drops with its holder)."""
     try:
-        return SharedSegment.create(name, 8, suffix)
-    except SegmentError:
-        pass
-    try:
-        pid, start, _ = read_creator(name)
-    except (OSError, SegmentError):
-        pid, start = 0, 0.0
-    if creator_alive(pid, start):
-        raise TransferError(f"rank {rank} of deployment {suffix} has a live worker already (pid {pid}); close it "
-                            f"before starting another for that rank")
-    unlink(name)
-    return SharedSegment.create(name, 8, suffix)
+        return HeldSegment.take(segment_name(suffix, f"worker_rank{rank}"), suffix)
+    except SegmentHeld as exc:
+        raise TransferError(f"rank {rank} of deployment {suffix} has a live worker already (pid {exc.pid}); "
+                            f"close it before starting another for that rank") from None
 
 
 def serve_descriptors(suffix: str, rank: int, cache) -> tuple[list, FdServer | None]:
