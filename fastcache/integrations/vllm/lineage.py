@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 PIECE = 64 << 20
-READ = 8 << 20          # one pread's buffer inside a piece
+READ = 4 << 20          # one pread's buffer inside a piece (within the caches: hashed while hot)
 # A file's ctime is the kernel's coarse clock (up to a tick early) and /proc's start time is in 10 ms ticks:
 # a process's start is taken this much early, so that every write after it reads as after.
 CLOCK_SLACK_NS = 20_000_000
