@@ -92,3 +92,22 @@ def test_launch_on_cuda_without_a_gpu_is_a_clear_error():
         pytest.skip("a GPU is visible: the GPU suite runs the launcher on it")
     run = launch("--device", "cuda")
     assert run.returncode == 2 and "no CUDA GPU is visible" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_liquid_resharding_with_weights_beside_an_fp8_cache(tmp_path):
+    """--cache-dtype block_wise_fp8 with weights (the default): the linears are bfloat16 (an fp8 KV cache
+    leaves the weights as the checkpoint has them), and every byte of both is checked after every step."""
+    from fastcache import CacheSpec
+    from fastcache.launch.liquid import liquid_weights
+    spec = CacheSpec(num_layers=2, num_gpu_blocks=32, num_cpu_blocks=16, block_size=16, num_kv_heads=4,
+                     head_dim=16, cache_dtype="block_wise_fp8")
+    assert [t[2] for t in liquid_weights(spec, 2).layer_tensors] == ["bfloat16", "bfloat16", "float32"]
+    out = tmp_path / "report.json"
+    run = launch("--reshard", "1,2,4,2,1", "--cache-dtype", "block_wise_fp8", "--reshard-cycles", "1",
+                 "--num-layers", "2", "--num-gpu-blocks", "32", "--num-cpu-blocks", "16", "--num-kv-heads", "4",
+                 "--head-dim", "16", "--json", str(out), timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 failed: PASSED" in run.stdout
+    steps = json.loads(out.read_text())["reshard_steps"]
+    assert [(s["from_tp"], s["to_tp"]) for s in steps] == [(1, 2), (2, 4), (4, 2), (2, 1)]
+    assert all(s["weights_bytes"] > 0 and s["bytes_moved"] > s["weights_bytes"] for s in steps)

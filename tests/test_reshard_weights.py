@@ -298,6 +298,29 @@ def test_rows_are_rewritten_in_place_in_the_safe_order_and_staging_holds_the_lar
     assert plan.weight_allocations() == {(0, 0): LAYERS * 4096} and plan.staging_bytes_for(0, "gpu") < 2048
 
 
+def test_a_kept_ranks_replicated_weight_stays_and_is_not_staged():
+    """A kept rank's replicated tensor is neither copied nor rewritten in place: a staging buffer below its
+    row (above every split row) is enough, and its bytes stay. Control: the same tensor split is refused."""
+    rng = np.random.default_rng(5)
+    tensors = {"up": ((64, 16), "float32", 0), "norm": ((4096,), "float32")}     # rows: up 4 KiB whole, norm 16 KiB
+    for tp, n in ((2, 1), (1, 2)):
+        dep = Deployment(tp, rng, tensors)
+        for r in range(tp):       # allocations that hold the whole tensor: up's rows are rewritten in place
+            dep.mem["weights", r, 0] = np.concatenate([dep.mem["weights", r, 0], np.zeros(LAYERS * 4096, np.uint8)])
+        norm = dep.mem["weights", 0, 1]
+        kept = norm.copy()
+        plan, kv_bad = reshard(dep, n, rng, staging=4096)
+        assert plan.weight_allocations() == {} and kv_bad == [] and dep.weight_errors() == []
+        assert plan.staging_bytes_for(0, "gpu") == 4096                  # up's rows, in place, through staging
+        assert all(c.gather[0].src[2] == 0 for c in weight_chunks(plan, 0))      # only up moves on rank 0
+        assert dep.mem["weights", 0, 1] is norm and np.array_equal(norm, kept)
+        split = Deployment(tp, rng, {**tensors, "norm": ((4096,), "float32", 0)})
+        whole = [[LAYERS * 4096, LAYERS * 16384]] * tp
+        with pytest.raises(ValueError, match="one row of weight 'norm'"):
+            Plan(split.kv, tp, n, [Capacity.of(split.kv)] * tp, [], staging_bytes=4096, weights=split.weights,
+                 weight_capacities=whole)
+
+
 # -- figures -----------------------------------------------------------------------------------------
 def test_moved_bytes_split_kv_and_weights_and_the_summary_names_the_shards():
     rng = np.random.default_rng(4)

@@ -32,12 +32,19 @@ def full_rows(rows_per_rank):
     return np.concatenate(rows_per_rank, axis=-1)
 
 
+def weight_dtype(cache_dtype: str) -> str:
+    """The dtype of a model's linear weights beside a KV cache of `cache_dtype`: the cache's own for a
+    plain dtype; bfloat16 beside block_wise_fp8, since quantizing the KV cache leaves the weights as the
+    checkpoint has them (an fp8 KV cache is most often served with bf16 weights)."""
+    return "bfloat16" if cache_dtype == "block_wise_fp8" else cache_dtype
+
+
 def liquid_weights(spec, tp: int) -> WeightSpec:
     """A model for a deployment of `spec` at tp: per layer a column-parallel qkv (split dim 0), a row-parallel
     o (split dim 1) and a replicated norm, the attention's sizes, so every tp that divides the KV heads
-    divides their split dims too."""
+    divides their split dims too; the linears in weight_dtype(the cache's dtype)."""
     hidden = spec.num_kv_heads * tp * spec.head_dim
-    dtype = spec.cache_dtype
+    dtype = weight_dtype(spec.cache_dtype)
     return WeightSpec(spec.num_layers, {"qkv": ((3 * hidden, hidden), dtype, 0), "o": ((hidden, hidden), dtype, 1),
                                         "norm": ((hidden,), "float32")}, tp_size=tp)
 

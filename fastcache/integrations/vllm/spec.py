@@ -24,16 +24,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import OffloadingSpec
 
-from .lineage import LineageError, checkpoint_digest, default_namespace
+from .lineage import LineageError, checkpoint_digest, default_namespace, process_start_ns
 from .link import ManagerLinks
 from .manager import FastcacheManager
 from .options import VllmOptions
 from .worker import FastcacheWorker
 
 log = logging.getLogger("fastcache.vllm")
-
-# Load formats whose weights are the files weight_files() names (anything else cannot be named by content).
-FILE_FORMATS = frozenset({"auto", "safetensors", "pt", "npcache", "fastsafetensors", "mistral", "gguf"})
 
 
 class FastcacheOffloadingSpec(OffloadingSpec):
@@ -73,7 +70,7 @@ class FastcacheOffloadingSpec(OffloadingSpec):
 
 
 def _local_checkpoint(model: str, revision, download_dir) -> str:
-    """The local directory (or .gguf file) vLLM loaded `model` from: the path itself, or the snapshot of a
+    """The local directory vLLM loaded `model` from: the path itself, or the snapshot of a
     Hugging Face id at its revision in the local cache (vLLM downloaded it there before loading)."""
     if os.path.exists(model):
         return model
@@ -90,35 +87,46 @@ def weights_namespace(name: str, kv_dtype: str) -> str:
     with the config as loaded, the dtypes and the quantization, so engines share only over the same weights.
 
     Where the weights cannot be named by content (dummy or other non-file load formats, a model not on
-    this machine), a namespace of this engine alone: nothing is shared, nothing stale is served."""
+    this machine, a weight file changed since this process started, so after or while vLLM loaded it), a
+    namespace of this engine alone: nothing is shared, nothing stale is served.
+
+    LoRA adapters are loaded per request, after this: vLLM's block hash carries each LoRA request's adapter
+    name and path, which keeps KV of other adapters (and of the base model) under other keys."""
     from vllm.config import get_current_vllm_config_or_none
     vllm_config = get_current_vllm_config_or_none()
     model_config = vllm_config.model_config if vllm_config is not None else None
     load_format = str(vllm_config.load_config.load_format) if vllm_config is not None else "auto"
     try:
-        if load_format not in FILE_FORMATS:
-            raise LineageError(f"load_format {load_format!r} does not read the weights from checkpoint files")
         path = model_config.model if model_config is not None else name
         revision = model_config.revision if model_config is not None else None
         download_dir = vllm_config.load_config.download_dir if vllm_config is not None else None
         started = time.monotonic()
-        digest = checkpoint_digest(_local_checkpoint(path, revision, download_dir))
+        # The worker loaded the weights in this process: a file changed since it started may not be what it read.
+        digest = checkpoint_digest(_local_checkpoint(path, revision, download_dir), load_format,
+                                   not_changed_since=process_start_ns())
         elapsed = time.monotonic() - started
+        label, parts = _namespace_parts(model_config, kv_dtype, load_format)
+        namespace = default_namespace(label, digest, parts)
     except LineageError as exc:
         namespace = f"{str(name)[-120:]}/engine-{uuid.uuid4().hex}"
         log.warning("fastcache: the weights cannot be named by their content (%s); L3 objects are this "
                     "engine's alone (namespace %s). Set kv_connector_extra_config 'namespace' to share them, "
                     "and change it whenever the weights change.", exc, namespace)
         return namespace
+    log.info("fastcache: namespace %s (weights' content hashed in %.2f s)", namespace, elapsed)
+    return namespace
+
+
+def _namespace_parts(model_config, kv_dtype: str, load_format: str) -> tuple[str, dict]:
+    """The architecture's name, and everything besides the weights' bytes that shapes the KV bytes: the
+    model config as loaded, the dtypes, the quantization and the load format."""
     parts, label = {"kv_dtype": kv_dtype, "load_format": load_format}, "model"
     if model_config is not None:
         hf = {k: v for k, v in model_config.hf_config.to_dict().items()
               if not k.startswith("_") and k != "transformers_version"}
         parts.update(dtype=str(model_config.dtype), quantization=model_config.quantization, hf_config=hf)
         label = (hf.get("architectures") or [hf.get("model_type") or "model"])[0]
-    namespace = default_namespace(label, digest, parts)
-    log.info("fastcache: namespace %s (weights' content hashed in %.2f s)", namespace, elapsed)
-    return namespace
+    return label, parts
 
 
 class _RecomputingWorker(OffloadingConnectorWorker):
