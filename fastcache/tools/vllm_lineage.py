@@ -38,14 +38,13 @@ import tempfile
 from ..store.service import store_for_run
 from .lmcache_server import lmcache_import_dir, lmcache_server
 from .tiny_llama import BASES, CONFIG, SHARES, prompts, write_checkpoint
-from .vllm_bench import run_way
+from .vllm_bench import blind_pairs, mismatches, run_way
 
 WAYS = ("vllm", "fastcache", "fastcache+l3", "fastcache+l3/fixed", "lmcache")
 NEGATIVE_CONTROL = "fastcache+l3/fixed"
 STEPS = ("A", "A again", "B")
 OLD, NEW = 1, 2                     # the seeds of the old and the new weights
 BLOCK_TOKENS = 128                  # vLLM's block; one fastcache chunk, one LMCache chunk
-LOGPROB_TOL = 1e-3                  # a prefix loaded against one computed: float32 rounding
 MAX_TOKENS = 8
 
 
@@ -55,27 +54,12 @@ def kv_block_bytes() -> int:
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * BLOCK_TOKENS * 4
 
 
-def mismatches(got: dict, want: dict) -> list[int]:
-    """Prompts whose greedy tokens differ or whose first-token logprobs are further than LOGPROB_TOL apart."""
-    return [i for i, (t, lp, t0, lp0) in enumerate(zip(got["outputs"], got["first_logprobs"], want["outputs"],
-                                                        want["first_logprobs"]))
-            if t != t0 or abs(lp - lp0) > LOGPROB_TOL]
-
-
 def prefix_blind_probes(run: dict) -> list[tuple[int, int]]:
     """Pairs of probes (one tail after different prefixes of one length) with equal outputs: where the oracle
     could not tell one prefix's KV from another's. Empty when the precondition holds."""
     first = len(run["outputs"]) - len(SHARES) * BASES
-    blind = []
-    for s in range(len(SHARES)):
-        group = range(first + s * BASES, first + (s + 1) * BASES)
-        for i in group:
-            for j in group:
-                if i < j and (run["outputs"][i] == run["outputs"][j] or
-                              (run["outputs"][i][0] == run["outputs"][j][0] and
-                               abs(run["first_logprobs"][i] - run["first_logprobs"][j]) <= 2 * LOGPROB_TOL)):
-                    blind.append((i, j))
-    return blind
+    return [pair for s in range(len(SHARES))
+            for pair in blind_pairs(run, range(first + s * BASES, first + (s + 1) * BASES))]
 
 
 @contextlib.contextmanager

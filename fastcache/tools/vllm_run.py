@@ -2,14 +2,15 @@
 
     python -m fastcache.tools.vllm_run JOB.json  ->  one line "REPORT {json}" on stdout
 
-The job names the model (a config.json written here, dummy weights; or "model_dir", a checkpoint that vLLM's
-own loader reads), vLLM's own KV cache size in blocks,
+The job names the model ("model_dir", a checkpoint that vLLM's own loader reads), vLLM's own KV cache size in
+blocks,
 the prompts (token ids), the tokens to generate, the closed-loop concurrency and, for an offloading run, the
 kv_connector_extra_config: fastcache's FastcacheConnector by default, vLLM's LMCacheMPConnector with
 "connector": "lmcache" (its "sys_path_after" names where lmcache is installed: vLLM's connector imports it in
 this process, and it is appended after this environment's own packages, so that vLLM, torch and numpy stay
 this environment's). The report carries "ready_s", the engine's construction (LLM()): from then on a request
-can be added; with "logprobs", each output's first-token logprob too. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+can be added; with "logprobs", each output's first-token logprob too; with "probes" (prompts), their outputs and
+first-token logprobs, run one at a time after the timed requests. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
 the scheduler's OffloadingManager can be wrapped by manager_replay.Recorder and its calls replayed against
 fastcache's manager and vLLM's CPUOffloadingManager here, after the run.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,11 +50,6 @@ def llvmlite_dunder_fix() -> None:
 def engine(job: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
-    model_dir, load_format = job.get("model_dir"), "auto"
-    if model_dir is None:
-        model_dir, load_format = tempfile.mkdtemp(prefix="fastcache-bench-model-"), "dummy"
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(job["model"], f)
     kv = None
     if job.get("connector") == "lmcache":
         llvmlite_dunder_fix()
@@ -64,7 +59,7 @@ def engine(job: dict):
         kv = KVTransferConfig(kv_connector="FastcacheConnector", kv_connector_module_path="fastcache.integrations.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config=job["extra"])
-    return LLM(model=model_dir, load_format=load_format, skip_tokenizer_init=True, enforce_eager=True, seed=0,
+    return LLM(model=job["model_dir"], skip_tokenizer_init=True, enforce_eager=True, seed=0,
                dtype="float32", kv_transfer_config=kv, disable_log_stats=False, block_size=job["block_size"],
                num_gpu_blocks_override=job["gpu_blocks"], max_model_len=job["max_model_len"],
                max_num_seqs=max(1, job["concurrency"]))
@@ -133,6 +128,9 @@ def main(argv=None) -> int:
         recorder.reset()
     report = replay_requests(llm, job["prompts"], job["max_tokens"], job["concurrency"], job.get("logprobs", False))
     report["ready_s"] = ready_s
+    if job.get("probes"):       # the oracle's precondition, after the figures: one prompt at a time, not timed
+        probes = replay_requests(llm, job["probes"], job["max_tokens"], 1, logprobs=True)
+        report["probes"] = {"outputs": probes["outputs"], "first_logprobs": probes["first_logprobs"]}
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     report["external_hit_tokens"] = metrics.get("vllm:external_prefix_cache_hits") or 0
     report["load_bytes"] = metrics.get("vllm:kv_offload_load_bytes") or 0
