@@ -200,12 +200,6 @@ def gpu_spec(base, block_ids, first: int = 0):
     return cls(ids, group_sizes=[len(ids)], block_indices=[first])
 
 
-def sync(device):
-    """Let every write torch queued land: the transfer manager is another process on its own streams."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def rows(tensors, block_ids):
     """A copy of these blocks' rows of every tensor (the bytes a later check compares with)."""
     idx = torch.as_tensor(np.asarray(block_ids, np.int64), device=tensors[0].device)
@@ -226,12 +220,13 @@ def all_pairs(tensors, block_ids):
 
 
 def fill_random(tensors, block_ids, gen, device):
-    """Fresh random bytes in these blocks, written in place (the adopted storage stays the one exported)."""
+    """Fresh random bytes in these blocks, written in place (the adopted storage stays the one exported), queued
+    on torch's current stream with no host wait, as vLLM's forward writes: a store or load submitted next is
+    ordered after them by the worker's fence alone (docs/design.md §10)."""
     idx = torch.as_tensor(np.asarray(block_ids, np.int64), device=tensors[0].device)
     for t in tensors:
         t.index_copy_(0, idx, torch.randint(-128, 128, (len(idx), PAGE), dtype=torch.int8, device=device,
                                             generator=gen))
-    sync(device)
 
 
 def cpu_blocks(chunks, n, bpc, first=0):
@@ -249,7 +244,6 @@ class Rig:
         self.worker_mod, self.jobs, self.base = api
         self.device, self.bpc = device, bpc
         self.kv_caches, self.tensors, self.gen = vllm_kv_caches(self.base, device, seed)
-        sync(device)
         self.rng = np.random.default_rng(seed)
         self.engine_id = f"gpuworker-{uuid.uuid4().hex[:12]}"
         self.worker = None
@@ -420,7 +414,6 @@ def test_store_then_load_into_other_blocks_bit_for_bit(rig, device, bpc):
 
     fill_random(T, dst_a, r.gen, device)
     before = [t.clone() for t in T]                      # every block, to find any write outside the loads
-    sync(device)
     job_la = r.load(dst_a, load_chunks_a, first)
     job_lb = r.load(dst_b, chunks_b)
     r.check_results(r.wait([job_la, job_lb]), {job_la: n - first, job_lb: n})
@@ -442,7 +435,6 @@ def test_store_then_load_into_other_blocks_bit_for_bit(rig, device, bpc):
     fill_random(T, dst_c, r.gen, device)
     assert differing(T, dst_c, want_c) == all_pairs(T, dst_c)
     before = [t.clone() for t in T]
-    sync(device)
     job_lc = r.load(dst_c, chunks_c)
     r.check_results(r.poll([job_lc]), {job_lc: 2 * n})
     assert differing(T, dst_c, want_c) == []
@@ -453,5 +445,56 @@ def test_store_then_load_into_other_blocks_bit_for_bit(rig, device, bpc):
     r.check_results(r.wait([job_lb2]), {job_lb2: n})
     assert differing(T, dst_b, want_b) == []
 
+    r.shutdown()
+    assert r.leftovers() == []
+
+
+SLEEP_CYCLES = 4_000_000_000        # torch.cuda._sleep: about two seconds of a GPU's clock, far longer than the
+#                                     host takes to submit a job and the transfer manager to copy its blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TORCH_CUDA, reason="needs a usable CUDA GPU and torch with CUDA")
+@pytest.mark.parametrize("fenced", [True, False], ids=["fence", "no_fence"])
+def test_a_store_and_a_load_submitted_behind_late_writes_wait_for_them(rig, monkeypatch, fenced):
+    """vLLM under async scheduling: the forward that writes a store's blocks, or the zeroing of a load's
+    destination blocks, may still be queued on the current stream when the job is submitted. Here the stream
+    sleeps, then fills the blocks with fresh random bytes; the store is submitted at once, with no host wait,
+    and must copy the fresh bytes. Then the stream sleeps again and poisons other blocks; a load of the store's
+    chunks into them, submitted at once, must land after the poison: every byte compared. With the transfer
+    manager's wait on the fence removed (FASTCACHE_TEST_NO_FENCE=1) the store copies the stale bytes and the
+    poison overwrites the load: asserted, so the test shows it can fail."""
+    if not fenced:
+        monkeypatch.setenv("FASTCACHE_TEST_NO_FENCE", "1")     # before the transfer manager is spawned
+    r = rig("cuda", 1, seed=29)
+    T = r.tensors
+    n = 8
+    src = r.pick_blocks(n)
+    dst = r.pick_blocks(n, avoid=src)
+    chunks = r.pick_chunks(n)
+    stale = r.gpu_image(src)                    # (a host copy: everything queued so far has run)
+
+    torch.cuda._sleep(SLEEP_CYCLES)
+    fill_random(T, src, r.gen, "cuda")          # queued behind the sleep
+    job, _ = r.store(src, chunks)               # at once
+    r.check_results(r.wait([job]), {job: n})
+    stored = r.tier_image(cpu_blocks(chunks, n, 1))
+    fresh = r.gpu_image(src)                    # waits for the fill
+    assert not np.array_equal(fresh, stale), "the fill must change the blocks"
+    if fenced:
+        assert np.array_equal(stored, fresh), "the store copied blocks the stream had not written yet"
+    else:
+        assert not np.array_equal(stored, fresh), "without the fence's wait the store must copy stale bytes"
+        assert np.array_equal(stored, stale)
+
+    torch.cuda._sleep(SLEEP_CYCLES)
+    fill_random(T, dst, r.gen, "cuda")          # the poison (vLLM: the zeroing of newly allocated blocks)
+    load = r.load(dst, chunks)                  # at once
+    r.check_results(r.wait([load]), {load: n})
+    landed = r.gpu_image(dst)                   # waits for the poison
+    if fenced:
+        assert np.array_equal(landed, stored), "the poison queued before the load overwrote it"
+    else:
+        assert not np.array_equal(landed, stored), "without the fence's wait the poison must overwrite the load"
     r.shutdown()
     assert r.leftovers() == []
