@@ -498,3 +498,52 @@ def test_a_store_and_a_load_submitted_behind_late_writes_wait_for_them(rig, monk
         assert not np.array_equal(landed, stored), "without the fence's wait the poison must overwrite the load"
     r.shutdown()
     assert r.leftovers() == []
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch (the CPU build will do)")
+def test_each_job_takes_its_fence_on_the_current_stream_at_submit(vllm_api, monkeypatch):
+    """The worker's wiring, without a GPU: on cuda a store passes a fence taken on torch's current stream at
+    submit; a load takes its fence at submit too, before an L3 fetch, and its swap-in after the fetch carries
+    that fence (taking none later, when the stream has moved on); on the CPU build no fence is taken."""
+    worker_mod, jobs, base = vllm_api
+    calls = []
+
+    class Handle:
+        error = None
+
+        def done(self):
+            return True
+
+    def call(name):
+        def record(*args, **kwargs):
+            calls.append((name, kwargs.get("fence")))
+            return Handle()
+        return record
+    fences = iter(range(100, 200))
+    backend = types.SimpleNamespace(swap_out=call("swap_out"), swap_in=call("swap_in"),
+                                    store_to_cpu=call("store_to_cpu"), spec=types.SimpleNamespace(num_cpu_blocks=8,
+                                    task_bytes=lambda gpu: 1))
+    cache_worker = types.SimpleNamespace(fence=lambda stream: calls.append(("fence", stream)) or next(fences))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream{device}")
+    for device in ("cuda", "sim"):
+        calls.clear()
+        w = object.__new__(worker_mod.FastcacheWorker)
+        w.device, w.device_id, w.bpc, w.rank, w.world_size = device, 3, 2, 0, 1
+        w.backend, w.cache_worker, w._wrong_chunk = backend, cache_worker, False
+        w._jobs, w._done, w._puts, w._load_errors = {}, [], [], set()
+        w.options = types.SimpleNamespace(transfer_timeout=TIMEOUT, store=None)
+        w.link = types.SimpleNamespace(stamp=lambda *a: None)
+        w.namespace, w.reset_scope = "ns", None
+        assert w.submit_store(1, gpu_spec(base, [4, 5]), jobs.FastcacheStoreSpec([1], np.ones(1, np.uint64),
+                                                                                 np.zeros(2, np.uint64), 0))
+        fetch = jobs.FastcacheLoadSpec([2], np.ones(1, bool), np.ones(1, np.uint64), np.arange(2, dtype=np.uint64), 0)
+        assert w.submit_load(2, fetch, gpu_spec(base, [6, 7]))
+        taken = len(calls)
+        w.get_finished()
+        w.get_finished()
+        if device == "cuda":
+            assert calls[:taken] == [("fence", "stream3"), ("swap_out", 100), ("fence", "stream3"),
+                                     ("store_to_cpu", None)]
+            assert calls[taken:] == [("swap_in", 101)], "the swap-in after the fetch carries the load's fence"
+        else:
+            assert calls == [("swap_out", None), ("store_to_cpu", None), ("swap_in", None)]
