@@ -11,7 +11,8 @@ wait then captures the later record. That is safe because every record of a slot
 slot's previous record did: on the same stream by stream order, and on another stream because that stream
 first waits on the slot's event (the "chain" below) before the record. So the later record covers everything
 the earlier one did, and a copy waiting on it can only wait longer, never shorter. The ring only keeps such
-longer waits rare.
+longer waits rare. The chain cannot deadlock: like every cudaStreamWaitEvent it waits for a record already
+made (the one current at the call), so no wait can depend on work queued after it.
 
 No record while the stream is being captured into a CUDA graph (it would become a node of the graph, run at
 each launch instead of now); the work captured runs only when the graph is launched, so such a fence is None:
