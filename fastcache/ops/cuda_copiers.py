@@ -97,8 +97,8 @@ class _CudaCopier(Copier):
     def _swap(self, gpu_ids, cpu_ids, to_host, run=None, first=None):
         """first(stream): called under the lane's lock before anything is queued, with the lane's stream: in
         every method the one stream that reads or writes the device tensors (a staged copy's DMA streams touch
-        only its staging buffers, behind events recorded on it), so work first makes it wait for (a fence,
-        docs/design.md §4) precedes the task's every access to the tensors."""
+        only its staging buffers, behind events recorded on it), so whatever first makes it wait for (a fence,
+        docs/design.md §4) comes before every access of the task to the tensors."""
         gpu, cpu = _id_list(gpu_ids), _id_list(cpu_ids)
         if len(gpu) != len(cpu):
             raise ValueError(f"{len(gpu)} gpu ids and {len(cpu)} cpu ids: they must pair up")
