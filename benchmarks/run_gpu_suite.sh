@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks, run on a machine with a CUDA GPU from the repository root:
-#   benchmarks/run_gpu_suite.sh [env] [tests] [probe] [bench] [launch] [tier] [offload] [layers] [tasks] [vmm]
+#   benchmarks/run_gpu_suite.sh [env] [fence] [tests] [probe] [bench] [launch] [tier] [offload] [layers] [tasks] [vmm]
 #                               (default: all but vmm, which `tests` includes)
 #   env     the machine, the packages and the settings, in $OUT/env.log (always written first)
-#   tests   python -m pytest -m gpu (tests/test_gpu*.py)
+#   fence   the ordering test alone (a store behind a late write, a load behind a late poison, each with the
+#           fence and, as its negative control, without; needs torch with CUDA), a short first check
+#   tests   python -m pytest -m gpu (tests/test_gpu*.py, the fence test included)
 #   probe   the CUDA C++ ceiling probe benchmarks/swapbench.cu
 #   bench   python -m fastcache.tools.bench, its JSON in $OUT/bench.json
 #   launch  python -m fastcache.launch with no arguments (it must pick cuda), then what it left behind
@@ -60,6 +62,11 @@ EOF
 
 run_tests() {
     timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -s --durations=20 -o timeout=180 2>&1 | tee "$OUT/pytest.log"
+}
+
+run_fence() {
+    timeout 240 python3 -m pytest -m gpu -q -rs -s -o timeout=120 tests/test_gpu_vllm_worker.py \
+        -k test_a_store_and_a_load_submitted_behind_late_writes_wait_for_them 2>&1 | tee "$OUT/fence.log"
 }
 
 run_probe() {
@@ -119,6 +126,7 @@ log_env
 for step in "${steps[@]}"; do
     case "$step" in
         env) ;;
+        fence) run_fence || status=1 ;;
         tests) run_tests || status=1 ;;
         probe) run_probe || status=1 ;;
         bench) run_bench || status=1 ;;
@@ -128,7 +136,7 @@ for step in "${steps[@]}"; do
         layers) run_layers || status=1 ;;
         vmm) run_vmm || status=1 ;;
         tasks) run_tasks || status=1 ;;
-        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers, tasks, vmm)" >&2; status=2 ;;
+        *) echo "unknown step $step (expected env, tests, probe, bench, launch, tier, offload, layers, tasks, vmm, fence)" >&2; status=2 ;;
     esac
 done
 exit $status

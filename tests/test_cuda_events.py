@@ -81,6 +81,12 @@ class LazyRuntime(FakeRuntime):
         self.streams[stream.ptr] = stream
         return stream
 
+    def compute_stream(self):
+        """A model's stream that runs late: what a test queues on it (on_stream) runs only when the test
+        synchronizes it, or when a stream waiting on an event recorded on it behind that work comes to the
+        wait; never because the host called something else meanwhile."""
+        return self.new_stream()
+
     def _stream(self, stream):
         return stream if isinstance(stream, FakeStream) else self.streams[stream]
 
@@ -454,7 +460,7 @@ def test_a_failed_task_wakes_a_stream_waiter_naming_the_rank(lazy):
         assert not [d for _, what, d in lazy.log if what == "wait"]
 
         class Broken:
-            def swap_in_layers(self, gpu, cpu, layers, published, events=None, recorded=None):
+            def swap_in_layers(self, gpu, cpu, layers, published, events=None, recorded=None, first=None):
                 recorded(0)
                 raise TransferError("cudaMemcpyAsync failed")
         tm = SimpleNamespace(signals=signals, rank=1, layer_events=events, copier=Broken(),

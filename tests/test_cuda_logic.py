@@ -37,6 +37,7 @@ class FakeRuntime:
     cudaMemcpyKind, cudaDeviceAttr = runtime.cudaMemcpyKind, runtime.cudaDeviceAttr
     cudaMemcpyAttributes, cudaMemcpyFlags = runtime.cudaMemcpyAttributes, runtime.cudaMemcpyFlags
     cudaMemcpySrcAccessOrder = runtime.cudaMemcpySrcAccessOrder
+    cudaStreamCaptureStatus = runtime.cudaStreamCaptureStatus
 
     cudaHostAllocMapped = 2
 
@@ -45,6 +46,7 @@ class FakeRuntime:
     def __init__(self):
         self.buffers, self.copies, self.registered, self.calls = {}, [], [], []
         self.batches = 0
+        self.capturing = set()          # streams a test says are being captured into a CUDA graph
 
     def cudaMalloc(self, n):
         buf = np.full(n, 0xEE, np.uint8)        # garbage, not zeros: an uncopied byte shows
@@ -144,6 +146,17 @@ class FakeRuntime:
 
     def cudaGetDevice(self):
         return OK, 0
+
+    def cudaGetErrorName(self, err):
+        return OK, err.name.encode()
+
+    def cudaGetErrorString(self, err):
+        return OK, b""
+
+    def cudaStreamIsCapturing(self, stream):
+        status = self.cudaStreamCaptureStatus
+        return OK, (status.cudaStreamCaptureStatusActive if stream in self.capturing
+                    else status.cudaStreamCaptureStatusNone)
 
     cudaSetDevice = cudaEventDestroy = cudaStreamDestroy = cudaDeviceSynchronize = _ok
     cudaStreamWaitEvent = cudaEventRecord = _event

@@ -200,12 +200,6 @@ def gpu_spec(base, block_ids, first: int = 0):
     return cls(ids, group_sizes=[len(ids)], block_indices=[first])
 
 
-def sync(device):
-    """Let every write torch queued land: the transfer manager is another process on its own streams."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def rows(tensors, block_ids):
     """A copy of these blocks' rows of every tensor (the bytes a later check compares with)."""
     idx = torch.as_tensor(np.asarray(block_ids, np.int64), device=tensors[0].device)
@@ -226,12 +220,13 @@ def all_pairs(tensors, block_ids):
 
 
 def fill_random(tensors, block_ids, gen, device):
-    """Fresh random bytes in these blocks, written in place (the adopted storage stays the one exported)."""
+    """Fresh random bytes in these blocks, written in place (the adopted storage stays the one exported), queued
+    on torch's current stream with no host wait, as vLLM's forward writes: a store or load submitted next is
+    ordered after them by the worker's fence alone (docs/design.md §10)."""
     idx = torch.as_tensor(np.asarray(block_ids, np.int64), device=tensors[0].device)
     for t in tensors:
         t.index_copy_(0, idx, torch.randint(-128, 128, (len(idx), PAGE), dtype=torch.int8, device=device,
                                             generator=gen))
-    sync(device)
 
 
 def cpu_blocks(chunks, n, bpc, first=0):
@@ -249,7 +244,6 @@ class Rig:
         self.worker_mod, self.jobs, self.base = api
         self.device, self.bpc, self.store_url = device, bpc, store
         self.kv_caches, self.tensors, self.gen = vllm_kv_caches(self.base, device, seed)
-        sync(device)
         self.rng = np.random.default_rng(seed)
         self.engine_id = f"gpuworker-{uuid.uuid4().hex[:12]}"
         self.worker = None
@@ -425,7 +419,6 @@ def test_store_then_load_into_other_blocks_bit_for_bit(rig, device, bpc):
 
     fill_random(T, dst_a, r.gen, device)
     before = [t.clone() for t in T]                      # every block, to find any write outside the loads
-    sync(device)
     job_la = r.load(dst_a, load_chunks_a, first)
     job_lb = r.load(dst_b, chunks_b)
     r.check_results(r.wait([job_la, job_lb]), {job_la: n - first, job_lb: n})
@@ -447,7 +440,6 @@ def test_store_then_load_into_other_blocks_bit_for_bit(rig, device, bpc):
     fill_random(T, dst_c, r.gen, device)
     assert differing(T, dst_c, want_c) == all_pairs(T, dst_c)
     before = [t.clone() for t in T]
-    sync(device)
     job_lc = r.load(dst_c, chunks_c)
     r.check_results(r.poll([job_lc]), {job_lc: 2 * n})
     assert differing(T, dst_c, want_c) == []
@@ -497,3 +489,103 @@ def test_a_load_fetches_from_the_store_only_the_chunks_marked_for_fetch(rig, dev
     r.check_results(r.wait([job]), {job: n})
     assert differing(T, dst, want) == []
     assert np.array_equal(r.tier_image(cpu_blocks(chunks_a[:1], bpc, bpc)), held_a), "a held chunk was fetched over"
+
+
+SLEEP_CYCLES = 4_000_000_000        # torch.cuda._sleep: about two seconds of a GPU's clock, far longer than the
+#                                     host takes to submit a job and the transfer manager to copy its blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not TORCH_CUDA, reason="needs a usable CUDA GPU and torch with CUDA")
+@pytest.mark.parametrize("fenced", [True, False], ids=["fence", "no_fence"])
+def test_a_store_and_a_load_submitted_behind_late_writes_wait_for_them(rig, monkeypatch, fenced):
+    """vLLM under async scheduling: the forward that writes a store's blocks, or the zeroing of a load's
+    destination blocks, may still be queued on the current stream when the job is submitted. Here the stream
+    sleeps, then fills the blocks with fresh random bytes; the store is submitted at once, with no host wait,
+    and must copy the fresh bytes. Then the stream sleeps again and poisons other blocks; a load of the store's
+    chunks into them, submitted at once, must land after the poison: every byte compared. With the transfer
+    manager's wait on the fence removed (FASTCACHE_TEST_NO_FENCE=1) the store copies the stale bytes and the
+    poison overwrites the load: asserted, so the test shows it can fail."""
+    if not fenced:
+        monkeypatch.setenv("FASTCACHE_TEST_NO_FENCE", "1")     # before the transfer manager is spawned
+    r = rig("cuda", 1, seed=29)
+    T = r.tensors
+    n = 8
+    src = r.pick_blocks(n)
+    dst = r.pick_blocks(n, avoid=src)
+    chunks = r.pick_chunks(n)
+    stale = r.gpu_image(src)                    # (a host copy: everything queued so far has run)
+
+    torch.cuda._sleep(SLEEP_CYCLES)
+    fill_random(T, src, r.gen, "cuda")          # queued behind the sleep
+    job, _ = r.store(src, chunks)               # at once
+    r.check_results(r.wait([job]), {job: n})
+    stored = r.tier_image(cpu_blocks(chunks, n, 1))
+    fresh = r.gpu_image(src)                    # waits for the fill
+    assert not np.array_equal(fresh, stale), "the fill must change the blocks"
+    if fenced:
+        assert np.array_equal(stored, fresh), "the store copied blocks the stream had not written yet"
+    else:
+        assert not np.array_equal(stored, fresh), "without the fence's wait the store must copy stale bytes"
+        assert np.array_equal(stored, stale)
+
+    torch.cuda._sleep(SLEEP_CYCLES)
+    fill_random(T, dst, r.gen, "cuda")          # the poison (vLLM: the zeroing of newly allocated blocks)
+    load = r.load(dst, chunks)                  # at once
+    r.check_results(r.wait([load]), {load: n})
+    landed = r.gpu_image(dst)                   # waits for the poison
+    if fenced:
+        assert np.array_equal(landed, stored), "the poison queued before the load overwrote it"
+    else:
+        assert not np.array_equal(landed, stored), "without the fence's wait the poison must overwrite the load"
+    r.shutdown()
+    assert r.leftovers() == []
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch (the CPU build will do)")
+def test_each_job_takes_its_fence_on_the_current_stream_at_submit(vllm_api, monkeypatch):
+    """The worker's wiring, without a GPU: on cuda a store passes a fence taken on torch's current stream at
+    submit; a load takes its fence at submit too, before an L3 fetch, and its swap-in after the fetch carries
+    that fence (taking none later, when the stream has moved on); on the CPU build no fence is taken."""
+    worker_mod, jobs, base = vllm_api
+    calls = []
+
+    class Handle:
+        error = None
+
+        def done(self):
+            return True
+
+    def call(name):
+        def record(*args, **kwargs):
+            calls.append((name, kwargs.get("fence")))
+            return Handle()
+        return record
+    fences = iter(range(100, 200))
+    backend = types.SimpleNamespace(swap_out=call("swap_out"), swap_in=call("swap_in"),
+                                    store_to_cpu=call("store_to_cpu"), spec=types.SimpleNamespace(num_cpu_blocks=8,
+                                    task_bytes=lambda gpu: 1))
+    cache_worker = types.SimpleNamespace(fence=lambda stream: calls.append(("fence", stream)) or next(fences))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream{device}")
+    for device in ("cuda", "sim"):
+        calls.clear()
+        w = object.__new__(worker_mod.FastcacheWorker)
+        w.device, w.device_id, w.bpc, w.rank, w.world_size = device, 3, 2, 0, 1
+        w.backend, w.cache_worker, w._wrong_chunk = backend, cache_worker, False
+        w._jobs, w._done, w._puts, w._load_errors = {}, [], [], set()
+        w.options = types.SimpleNamespace(transfer_timeout=TIMEOUT, store=None)
+        w.link = types.SimpleNamespace(stamp=lambda *a: None)
+        w.namespace, w.reset_scope = "ns", None
+        assert w.submit_store(1, gpu_spec(base, [4, 5]), jobs.FastcacheStoreSpec([1], np.ones(1, np.uint64),
+                                                                                 np.zeros(2, np.uint64), 0))
+        fetch = jobs.FastcacheLoadSpec([2], np.ones(1, bool), np.ones(1, np.uint64), np.arange(2, dtype=np.uint64), 0)
+        assert w.submit_load(2, fetch, gpu_spec(base, [6, 7]))
+        taken = len(calls)
+        w.get_finished()
+        w.get_finished()
+        if device == "cuda":
+            assert calls[:taken] == [("fence", "stream3"), ("swap_out", 100), ("fence", "stream3"),
+                                     ("store_to_cpu", None)]
+            assert calls[taken:] == [("swap_in", 101)], "the swap-in after the fetch carries the load's fence"
+        else:
+            assert calls == [("swap_out", None), ("store_to_cpu", None), ("swap_in", None)]

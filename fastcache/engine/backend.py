@@ -217,21 +217,43 @@ class SwapBackend:
             for r in range(self.tp_size))
 
     # -- swaps -----------------------------------------------------------------------------------
-    def swap_out(self, gpu_block_ids, cpu_block_ids) -> TransferHandle:
-        """Copy GPU blocks to CPU blocks on every rank."""
-        return self._submit(protocol.SWAP_TO_CPU, gpu_block_ids, cpu_block_ids)
+    def swap_out(self, gpu_block_ids, cpu_block_ids, fence=None) -> TransferHandle:
+        """Copy GPU blocks to CPU blocks on every rank. fence: what CacheWorker.fence(stream) returned on
+        the ranks (one Fence, or one per rank; None entries and None are no fence): on a rank with one the
+        copy starts only after the work its worker queued on that stream before the fence (docs/design.md §4)."""
+        return self._submit(protocol.SWAP_TO_CPU, gpu_block_ids, cpu_block_ids, fence)
 
-    def swap_in(self, gpu_block_ids, cpu_block_ids, layerwise: bool = False) -> TransferHandle:
+    def swap_in(self, gpu_block_ids, cpu_block_ids, layerwise: bool = False, fence=None) -> TransferHandle:
         """Copy CPU blocks back to GPU blocks on every rank. layerwise=True copies layer by layer in layer
         order and publishes each: `handle.wait_layer(i)` returns once layer i is in place, so a forward
-        can start on layer 0 while later layers are still copying."""
+        can start on layer 0 while later layers are still copying. fence: as swap_out's; the copy writes the
+        destination blocks only after the work queued before the fence (a zeroing of them included)."""
         if not isinstance(layerwise, bool):
             raise ValueError(f"layerwise must be a bool, got {layerwise!r}")
-        return self._submit_ids(protocol.SWAP_TO_GPU, *self._validate(protocol.SWAP_TO_GPU, gpu_block_ids,
-                                                                       cpu_block_ids), layerwise=layerwise)
+        return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids, fence, layerwise=layerwise)
 
-    def _submit(self, kind, gpu_block_ids, cpu_block_ids) -> TransferHandle:
-        return self._submit_ids(kind, *self._validate(kind, gpu_block_ids, cpu_block_ids))
+    def _submit(self, kind, gpu_block_ids, cpu_block_ids, fence=None, layerwise: bool = False) -> TransferHandle:
+        fences = self._fences(fence)
+        return self._submit_ids(kind, *self._validate(kind, gpu_block_ids, cpu_block_ids), layerwise=layerwise,
+                                fence=fences)
+
+    def _fences(self, fence) -> list:
+        """fence as a list of Fences, distinct ranks of this deployment; ValueError otherwise."""
+        if fence is None:
+            return []
+        items = [fence] if isinstance(fence, protocol.Fence) else list(fence) if isinstance(fence, (list, tuple)) \
+            else None
+        if items is None:
+            raise ValueError(f"fence must be what CacheWorker.fence() returned (or a list of them), got "
+                             f"{type(fence).__name__}")
+        items = [f for f in items if f is not None]
+        for f in items:
+            if not isinstance(f, protocol.Fence) or not 0 <= f.rank < self.tp_size or f.generation <= 0 or \
+                    not 0 <= f.slot < protocol.FENCE_SLOTS:
+                raise ValueError(f"fence {f!r} is not a fence of a rank of this deployment (CacheWorker.fence())")
+        if len({f.rank for f in items}) != len(items):
+            raise ValueError("two fences for one rank")
+        return items
 
     def submit_checked_swap(self, kind, gpu_ids: list[int], cpu_ids: list[int]) -> TransferHandle:
         """A swap of ids the caller has already checked as _validate does. TieredCache checks each request
@@ -240,12 +262,13 @@ class SwapBackend:
         wire = wire_dtype(self.spec)
         return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
 
-    def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False) -> TransferHandle:
+    def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False, fence=()) -> TransferHandle:
         slots = self._layer_slots if layerwise else None
         handle = self._new_task(kind, self.spec.task_bytes(gpu_ids) * self.tp_size, "swap", slots)
         if layerwise:
             handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers, slots)
-        return self._send_task(handle, protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise))
+        return self._send_task(handle, protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise,
+                                                            fence=fence))
 
     def _new_task(self, kind, nbytes: int, what: str, slots=None, claims: str = "layer_claims") -> TransferHandle:
         """The handle of a task about to be sent, once the deployment can take one: RefusedError while it is

@@ -65,6 +65,7 @@ def weights_name(suffix: str, rank: int, what: str) -> str:
 
 def events_name(suffix: str, rank: int, what: str, generation: int) -> str:
     """Interprocess CUDA event handles a rank's process exports (JSON): "layers" and "weights" (its transfer
-    manager's, per task slot and layer), "ring_free" (its worker's, per ring slot). The generation, announced
+    manager's, per task slot and layer), "ring_free" (its worker's, per ring slot), "fence" (its worker's, per fence
+    slot). The generation, announced
     in the ipc_events signal, is new for every creator, so a restarted one never meets a dead one's leftover."""
     return segment_name(suffix, f"events_{what}_rank{rank}.g{generation:x}")

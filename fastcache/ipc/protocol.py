@@ -6,6 +6,7 @@ into an error reply; a malformed message never kills a process.
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,7 +30,9 @@ MAX_ERROR_CHARS = 2000
 # message type -> required fields and their types; no other field is accepted
 SCHEMAS = {
     "register": {"rank": int, "pid": int},
-    "task": {"task_id": int, "kind": str, "dtype": str, "count": int, "layerwise": bool, "group": str, "ring": int},
+    # fence: [rank, generation, slot] per fenced rank (docs/design.md §4 "Ordering against the model")
+    "task": {"task_id": int, "kind": str, "dtype": str, "count": int, "layerwise": bool, "group": str, "ring": int,
+             "fence": list},
     "store_task": {"task_id": int, "kind": str, "namespace": str, "count": int},
     "done": {"task_id": int, "rank": int, "nbytes": int, "skipped": int, "seconds": float},   # skipped: puts a
     #   full store did not take
@@ -58,6 +61,15 @@ STAGE_NAMES = {PREPARE: "prepare", MOVE: "move", COMMIT: "commit", ABORT: "abort
 EXIT_WORKER_GONE, EXIT_ENGINE_GONE = 3, 4
 EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited"}
 RESHARD_FRAMES = 4      # GPU ids old and new, CPU ids old and new (int64)
+FENCE_SLOTS = 64        # fence events a worker exports (worker/fences.py): a fence names one by its slot
+
+
+class Fence(NamedTuple):
+    """What a KV swap waits for on `rank` before it touches the device: the worker's fence event `slot` of its
+    export `generation` (worker/fences.py), recorded on the model's stream when the fence was taken."""
+    rank: int
+    generation: int
+    slot: int
 
 
 class ProtocolError(ValueError):
@@ -69,11 +81,12 @@ def encode(type_: str, **fields) -> list[bytes]:
 
 
 def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray,
-                layerwise: bool = False, group: str = KV, ring: int = 0) -> list[bytes]:
+                layerwise: bool = False, group: str = KV, ring: int = 0, fence=()) -> list[bytes]:
+    """fence: Fences (one per rank at most) the task waits for on those ranks."""
     dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
     wire = ID_DTYPES[dtype]
     header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
-                    group=group, ring=ring)
+                    group=group, ring=ring, fence=[list(f) for f in fence])
     return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
 
 
@@ -128,6 +141,7 @@ def _task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
         raise ProtocolError(f"task: unknown group {header['group']!r}")
     if header["ring"] and (header["group"] != WEIGHTS or header["kind"] != SWAP_TO_GPU or not header["layerwise"]):
         raise ProtocolError("task: only a layer-by-layer weights swap-in streams through a ring")
+    _check_fence(header)
     wire = ID_DTYPES.get(header["dtype"])
     if wire is None:
         raise ProtocolError(f"task: unknown id dtype {header['dtype']!r}")
@@ -142,6 +156,25 @@ def _task_ids(header: dict, frames: list[bytes]) -> list[np.ndarray]:
             raise ProtocolError(f"task: {label} ids frame holds {len(frame)} bytes, expected {count * wire.itemsize}")
         ids.append(np.frombuffer(frame, wire).astype(np.int64))
     return ids
+
+
+def _check_fence(header: dict):
+    """Each entry a Fence of three non-negative ints (generation never 0, slot in range), ranks distinct; the
+    entries become Fences. Only a KV swap waits on the model's stream."""
+    fence, ranks = [], set()
+    for entry in header["fence"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and
+                all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)):
+            raise ProtocolError(f"task: fence entry {entry!r} is not [rank, generation, slot] (ints >= 0)")
+        item = Fence(*entry)
+        if not item.generation or item.slot >= FENCE_SLOTS or item.rank in ranks:
+            raise ProtocolError(f"task: fence entry {entry!r}: generation 0, slot out of range 0..{FENCE_SLOTS - 1} "
+                                f"or a rank named twice")
+        ranks.add(item.rank)
+        fence.append(item)
+    if fence and header["group"] != KV:
+        raise ProtocolError("task: only a KV swap waits on a fence")
+    header["fence"] = fence
 
 
 def encode_store_task(task_id: int, kind: str, namespace: str, hashes: np.ndarray, cpu_ids: np.ndarray) -> list[bytes]:

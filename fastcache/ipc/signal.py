@@ -79,7 +79,7 @@ class IPCSignal:
 
 LAYER_SLOTS = 64         # layer-by-layer tasks in flight at once (slot: task id modulo this; ipc/layers.py)
 # ipc_events columns: who exported which interprocess CUDA events (ops/cuda_events.py)
-EVENTS_LAYERS, EVENTS_WEIGHTS, EVENTS_RING_FREE = 0, 1, 2
+EVENTS_LAYERS, EVENTS_WEIGHTS, EVENTS_RING_FREE, EVENTS_FENCE = 0, 1, 2, 3
 
 # name -> (shape per tp_size, dtype)
 SIGNALS = {
@@ -106,8 +106,9 @@ SIGNALS = {
     "weight_claims": (lambda tp: (tp, LAYER_SLOTS, 2), np.int64),
     "weight_ring": (lambda tp: (tp, 2), np.int64),
     # cuda (docs/design.md §11): per rank the generation (0: none) of the interprocess events exported for
-    # [layer_ready (transfer manager), weight_layers (transfer manager), ring slots freed (worker)]
-    "ipc_events": (lambda tp: (tp, 3), np.int64),
+    # [layer_ready (transfer manager), weight_layers (transfer manager), ring slots freed (worker), fences
+    # (worker, docs/design.md §4)]
+    "ipc_events": (lambda tp: (tp, 4), np.int64),
 }
 
 

@@ -74,19 +74,22 @@ class Copier(ABC):
     """Moves the rows of a task's blocks over every tensor. One instance serves both directions;
     swap_out and swap_in may run at the same time on two threads."""
 
+    # first (cuda): first(stream) is called with the stream that touches the device tensors before any work of
+    # the task is queued on it, to make it wait for the model's stream (a fence, docs/design.md §4); a device
+    # whose copies are host copies ignores it.
     @abstractmethod
-    def swap_out(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray):
+    def swap_out(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray, first=None):
         """GPU blocks -> CPU blocks; returns once the bytes are in the CPU tier."""
 
     @abstractmethod
-    def swap_in(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray):
+    def swap_in(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray, first=None):
         """CPU blocks -> GPU blocks; returns once the bytes are on the device."""
 
-    def swap_in_layers(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray, layers: int, published):
+    def swap_in_layers(self, gpu_ids: np.ndarray, cpu_ids: np.ndarray, layers: int, published, first=None):
         """swap_in, calling published(layer) once the rows of every layer up to `layer` are on the device.
         This default copies every layer at once and then publishes the last (a device that copies layer by
         layer overrides it); a layer is never published before its bytes are in place."""
-        self.swap_in(gpu_ids, cpu_ids)
+        self.swap_in(gpu_ids, cpu_ids, first=first)
         published(layers - 1)
 
     def close(self):

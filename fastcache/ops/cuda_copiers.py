@@ -55,13 +55,13 @@ class _CudaCopier(Copier):
     def _new_lane(self) -> Lane:
         return Lane()
 
-    def swap_out(self, gpu_ids, cpu_ids):
-        self._swap(gpu_ids, cpu_ids, to_host=True)
+    def swap_out(self, gpu_ids, cpu_ids, first=None):
+        self._swap(gpu_ids, cpu_ids, to_host=True, first=first)
 
-    def swap_in(self, gpu_ids, cpu_ids):
-        self._swap(gpu_ids, cpu_ids, to_host=False)
+    def swap_in(self, gpu_ids, cpu_ids, first=None):
+        self._swap(gpu_ids, cpu_ids, to_host=False, first=first)
 
-    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published, events=None, recorded=None):
+    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published, events=None, recorded=None, first=None):
         """Layer by layer in layer order, back to back on one stream: each layer's rows in one
         cudaMemcpyBatchAsync (one call per row where the driver predates it), then that layer's event recorded
         on the stream and recorded(layer) called (a worker's stream may wait on the event from then on), and
@@ -75,7 +75,7 @@ class _CudaCopier(Copier):
         one, so the slot has one writer and the task is reported done only after its last layer is in place."""
         def run(lane, gpu, cpu):
             self._run_layers(lane, gpu, cpu, published, events or self._own_layer_events(), recorded)
-        self._swap(gpu_ids, cpu_ids, to_host=False, run=run)
+        self._swap(gpu_ids, cpu_ids, to_host=False, run=run, first=first)
 
     def enqueue_swap_in(self, gpu_ids, cpu_ids, event, after=()):
         """The blocks' rows queued on the swap-in stream behind the `after` events (in stream order, no host
@@ -94,7 +94,11 @@ class _CudaCopier(Copier):
             self._layer_events = create_events(len(self._by_layer), interprocess=False)
         return self._layer_events
 
-    def _swap(self, gpu_ids, cpu_ids, to_host, run=None):
+    def _swap(self, gpu_ids, cpu_ids, to_host, run=None, first=None):
+        """first(stream): called under the lane's lock before anything is queued, with the lane's stream: in
+        every method the one stream that reads or writes the device tensors (a staged copy's DMA streams touch
+        only its staging buffers, behind events recorded on it), so whatever first makes it wait for (a fence,
+        docs/design.md §4) comes before every access of the task to the tensors."""
         gpu, cpu = _id_list(gpu_ids), _id_list(cpu_ids)
         if len(gpu) != len(cpu):
             raise ValueError(f"{len(gpu)} gpu ids and {len(cpu)} cpu ids: they must pair up")
@@ -108,6 +112,8 @@ class _CudaCopier(Copier):
         lane = self._lanes[to_host]
         with lane.lock:
             set_device(self.device_id)
+            if first is not None:
+                first(lane.stream)
             if run is None:
                 self._run(lane, gpu, cpu, to_host)
             else:

@@ -88,6 +88,16 @@ def stream_wait(stream, event, external: bool = False):
     cuda_check(runtime.cudaStreamWaitEvent(stream, event, flags), "cudaStreamWaitEvent")
 
 
+def capturing(stream) -> bool:
+    """Is stream being captured into a CUDA graph? (A record then would be a node of the graph, not now.)"""
+    status = cuda_check(runtime.cudaStreamIsCapturing(stream), "cudaStreamIsCapturing")
+    return status != runtime.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
+
+
+def host_sync(stream):
+    cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
 def complete(event) -> bool:
     """Has the work captured by event's last record finished (without blocking)?"""
     (err,) = runtime.cudaEventQuery(event)

@@ -143,17 +143,17 @@ class SimCopier(Copier):
                         for gpu, cols, blocks in _group_tensors(cache)]
         self._layers = _by_layer(self._groups, [info.layer for info in cache.infos])
 
-    def swap_out(self, gpu_ids, cpu_ids):
+    def swap_out(self, gpu_ids, cpu_ids, first=None):
         for gpu, cpu, keep in self._plan(gpu_ids):
             g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])   # draft layers
             move_rows(gpu, cpu, g, c, to_cpu=True)          # blocks a draft layer lacks keep their old CPU bytes
 
-    def swap_in(self, gpu_ids, cpu_ids):
+    def swap_in(self, gpu_ids, cpu_ids, first=None):
         for gpu, cpu, keep in self._plan(gpu_ids):
             g, c = (gpu_ids, cpu_ids) if keep is None else (gpu_ids[keep], cpu_ids[keep])
             move_rows(gpu, cpu, g, c, to_cpu=False)
 
-    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published):
+    def swap_in_layers(self, gpu_ids, cpu_ids, layers, published, first=None):
         """Layer by layer in layer order, each published as soon as its rows are in place."""
         for layer, parts in self._layers:
             for gpu, cpu, num_blocks in parts:

@@ -33,6 +33,7 @@ from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import EVENTS_LAYERS, RESHARDING, DeploymentSignals
 from ..ops import get_ops
 from ..weight_spec import WeightSpec
+from .fences import FenceWaits
 from .l3 import StoreIO, store_task
 from .reshard import ReshardRunner
 from .scheduler import Scheduler, Task
@@ -67,6 +68,7 @@ class TransferManager:
                                    incarnation)
         self.cache = self.swap = self.copier = None
         self.layer_events = None        # cuda: interprocess events per (task slot, layer), for workers' streams
+        self.fences = FenceWaits(suffix, rank, device_id)       # cuda: swaps wait for the worker's fence events
         self.phase = "running"          # running | clearing | cleared | restoring | reshard_prepare | resharding
         if self.signals.status == RESHARDING:   # started (or restarted) during a reshard: wait for its steps
             self.phase = "resharding"
@@ -309,8 +311,9 @@ class TransferManager:
         except ValueError as exc:
             self.send("failed", task_id=task_id, rank=self.rank, error=str(exc))
             return
+        fence = next((f for f in header["fence"] if f.rank == self.rank), None)
         self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1], header["layerwise"],
-                                               header["group"], header["ring"])))
+                                               header["group"], header["ring"], fence)))
 
     def _on_store_task(self, header, ids):
         task_id = header["task_id"]
@@ -392,11 +395,11 @@ class TransferManager:
                 self.weights.run(task)
             elif task.kind == protocol.SWAP_TO_CPU:
                 gated()
-                self.copier.swap_out(task.gpu_ids, task.cpu_ids)
+                self.copier.swap_out(task.gpu_ids, task.cpu_ids, first=self._fenced(task))
             elif task.kind == protocol.SWAP_TO_GPU and task.layerwise:
-                self._swap_in_layers(task)
+                self._swap_in_layers(task, first=self._fenced(task))
             elif task.kind == protocol.SWAP_TO_GPU:
-                self.copier.swap_in(task.gpu_ids, task.cpu_ids)
+                self.copier.swap_in(task.gpu_ids, task.cpu_ids, first=self._fenced(task))
             else:
                 nbytes, skipped = self.l3.run(task, self.swap.blocks, self.spec, self.tp_size)
         except Exception as exc:
@@ -407,16 +410,20 @@ class TransferManager:
             nbytes, skipped = group.task_bytes(task.gpu_ids), 0
         return None, nbytes, skipped, time.perf_counter() - start
 
-    def _swap_in_layers(self, task):
+    def _fenced(self, task):
+        """The copier's `first` for a task with a fence on this rank (cuda; docs/design.md §4), else None."""
+        return self.fences.first(task.fence) if task.fence is not None and self.ops.name == "cuda" else None
+
+    def _swap_in_layers(self, task, first=None):
         layers = LayerPublisher(self.signals.layer_ready, self.rank, task.task_id)
         try:
             if self.layer_events is None:
                 self.copier.swap_in_layers(task.gpu_ids, task.cpu_ids, self.spec.total_layers,
-                                           paced(layers.published))
+                                           paced(layers.published), first=first)
             else:           # cuda: each layer's event recorded after its copies, for workers' streams
                 self.copier.swap_in_layers(task.gpu_ids, task.cpu_ids, self.spec.total_layers,
                                            paced(layers.published), events=self.layer_events.slot(task.task_id),
-                                           recorded=layers.recorded)
+                                           recorded=layers.recorded, first=first)
         except BaseException:
             layers.failed()         # every waiter on this rank raises at once, host and stream alike
             raise
@@ -437,6 +444,7 @@ class TransferManager:
         if self.weights is not None:
             self.weights.detach(region=True)
         self._close_layer_events()
+        self.fences.close()
         self.ops.release_device(self.device_id)     # after every CUDA object of this process is gone
         if self.l3 is not None:
             self.l3.close()

@@ -21,6 +21,7 @@ class Task:
     layerwise: bool = False             # a swap-in that publishes each layer as it lands (ipc/layers.py)
     group: str = "kv"                   # the tensor group whose blocks the ids name (kv, weights)
     ring: int = 0                       # a weight stream: slots of the ring it fills (ipc/ring.py)
+    fence: object = None                # cuda: the protocol.Fence the copy waits for first (transfer/fences.py)
     gpu_set: frozenset = field(init=False)
     cpu_set: frozenset = field(init=False)
     dispatched: bool = False

@@ -1,4 +1,5 @@
 """CacheWorker: allocates and exports one rank's KV cache inside the engine's GPU worker."""
+from ..ipc.protocol import Fence
 from .cache_worker import CacheWorker
 
-__all__ = ["CacheWorker"]
+__all__ = ["CacheWorker", "Fence"]

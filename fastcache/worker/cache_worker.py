@@ -20,6 +20,7 @@ from ..ipc.shm import HeldSegment, SegmentHeld
 from ..ipc.signal import CLEARING, RESHARDING, UPDATING, DeploymentSignals
 from ..ops import get_ops
 from ..ops.frameworks import check_framework
+from .fences import FenceRing
 from .reshard import ReshardFollower
 from .streams import LayerWaits
 from .weights import WorkerWeights
@@ -88,6 +89,7 @@ class CacheWorker:
         self._rank_claim = None                     # while started: this process serves the rank (claim_rank)
         self.weights = None                         # WorkerWeights once registered (docs/design.md §11)
         self.layer_waits = None                     # LayerWaits once started
+        self.fences = None                          # FenceRing once started (docs/design.md §4)
 
     # -- the tensors -----------------------------------------------------------------------------
     def _tensors(self, kind):
@@ -119,6 +121,7 @@ class CacheWorker:
         self.barrier.register(self.party)
         self.layer_waits = LayerWaits(self.signals, self.rank, self.suffix, self.device_id, self.ops.name == "cuda",
                                       self.settings.transfer_timeout)
+        self.fences = FenceRing(self.signals, self.rank, self.suffix, self.device_id, self.ops.name == "cuda")
         self._allocate()
         self._heartbeat = Heartbeat(self.signals.worker_heartbeat, self.rank, self.settings.heartbeat_interval)
         self._heartbeat.start()
@@ -224,6 +227,21 @@ class CacheWorker:
         self.layer_waits.wait(task_id, layer, timeout, stream=stream, external=external,
                               layers=self.spec.total_layers)
 
+    def fence(self, stream=None):
+        """What the next swap of this rank's blocks must wait for: pass the result as swap_out's or swap_in's
+        `fence` (docs/design.md §4). On cuda (stream: the cudaStream_t int, or a torch / CuPy stream the
+        model computes on) an interprocess event recorded on `stream` now, without a host wait: a swap-out
+        submitted with it reads what the work queued on the stream before this call wrote, a swap-in writes
+        its blocks after that work. None where there is nothing to wait for: on sim (the model's writes are
+        host writes made before the call), while `stream` is being captured into a CUDA graph (fence after
+        launching it), and where the driver refuses interprocess events (the stream is then synchronized
+        here, on the host: ordered, logged once)."""
+        if self.signals is None:
+            raise TransferError("the worker is not started")
+        if self.fences.cuda and stream is None:
+            raise ValueError("fence(stream): name the stream the model computes on")
+        return self.fences.fence(stream)
+
     def register_weights(self, layout) -> "WorkerWeights":
         """Allocate and export the model's weights beside the cache (docs/design.md §11): `layout` is the
         deployment's SwapBackend.weight_layout. Load them with `weights.load(layer, {name: array})`."""
@@ -253,6 +271,8 @@ class CacheWorker:
                 self.weights.close_events()
             if self.layer_waits is not None:
                 self.layer_waits.close()
+            if self.fences is not None:
+                self.fences.close()
             self.signals.worker_heartbeat[self.rank] = 0
             if self.barrier is not None:
                 self.barrier.close()

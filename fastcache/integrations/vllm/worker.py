@@ -74,6 +74,7 @@ class Job:
     cpu: np.ndarray
     spec: object                 # the manager's FastcacheStoreSpec / FastcacheLoadSpec
     handle: object = None        # the current task's TransferHandle (a fetch's, then the swap's)
+    fence: object = None         # cuda: the swap waits for vLLM's stream as it was at submit (docs/design.md §10)
     fetching: bool = False
     started: float = dataclasses.field(default_factory=time.monotonic)
     error: str | None = None
@@ -89,6 +90,7 @@ class FastcacheWorker(OffloadingWorker):
         self.group_tensors = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         device = "cuda" if tensors[0].is_cuda else "sim"
         device_id = tensors[0].device.index or 0 if device == "cuda" else 0
+        self.device, self.device_id = device, device_id
         settings = dataclasses.replace(Settings.from_env(), transfer_timeout=options.transfer_timeout)
         self.backend = SwapBackend(spec, tp_size=1, device=device, store=options.store, device_ids=[device_id],
                                    settings=settings)
@@ -123,7 +125,7 @@ class FastcacheWorker(OffloadingWorker):
         gpu, cpu = gpu_to_cpu_blocks(src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices,
                                      dst_spec.block_ids, self.bpc)
         job = self._jobs[job_id] = Job(job_id, False, gpu, cpu, dst_spec)
-        self._start(job, lambda: self.backend.swap_out(gpu, cpu))
+        self._start(job, lambda: self.backend.swap_out(gpu, cpu, fence=self._fence()))
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
@@ -132,13 +134,18 @@ class FastcacheWorker(OffloadingWorker):
         if self._wrong_chunk:
             cpu = (cpu + self.bpc) % self.backend.spec.num_cpu_blocks
         job = self._jobs[job_id] = Job(job_id, True, gpu, cpu, src_spec)
+        try:
+            job.fence = self._fence()       # now, even if an L3 fetch comes first: what vLLM queued so far
+        except TransferError as exc:
+            job.error = str(exc)
+            return True
         if src_spec.fetch.any():
             job.fetching = True
             fetched = chunk_blocks(src_spec.block_ids[src_spec.fetch], self.bpc)
             self._start(job, lambda: self.backend.store_to_cpu(self._l3_namespace(src_spec), src_spec.hashes,
                                                                fetched))
         else:
-            self._start(job, lambda: self.backend.swap_in(gpu, cpu))
+            self._start(job, lambda: self.backend.swap_in(gpu, cpu, fence=job.fence))
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -175,6 +182,16 @@ class FastcacheWorker(OffloadingWorker):
         self.cache_worker = self.link = None
 
     # -- jobs ------------------------------------------------------------------------------------
+    def _fence(self):
+        """What a job's copy waits for: vLLM's current stream as it is now. A store then reads only after the
+        forward that wrote its blocks (async scheduling submits it while that forward may still run), a load
+        writes only after pending writes to its destination blocks, their zeroing included (as vLLM's own CPU
+        offloading orders its transfer streams). No host wait; None on CPU, where the forward is over."""
+        if self.device != "cuda":
+            return None
+        import torch
+        return self.cache_worker.fence(torch.cuda.current_stream(self.device_id))
+
     def _start(self, job, submit):
         try:
             job.handle = submit()
@@ -193,7 +210,7 @@ class FastcacheWorker(OffloadingWorker):
             spec = job.spec
             self.link.stamp(spec.block_ids[spec.fetch], spec.stamps[spec.fetch])
             job.fetching = False
-            self._start(job, lambda: self.backend.swap_in(job.gpu, job.cpu))
+            self._start(job, lambda: self.backend.swap_in(job.gpu, job.cpu, fence=job.fence))
             return
         del self._jobs[job.job_id]
         if job.error is not None:
