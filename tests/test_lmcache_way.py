@@ -222,6 +222,7 @@ def test_the_bench_runs_a_fourth_way_and_cleans_up(fake_lmcache, tmp_path, monke
                 "cached_tokens": [0] * 6 + [64] + [0] * (n - 7), "ready_s": 1.5}
 
     monkeypatch.setattr(vllm_bench, "run_way", run_way)
+    monkeypatch.setattr(vllm_bench, "write_checkpoint", lambda path, seed, config: path)   # no engine reads it
     out = tmp_path / "report.json"
     argv = ["--trace", str(_trace(tmp_path)), *SMALL, "--ways", "lmcache", "--lmcache-python", sys.executable,
             "--json", str(out)]
