@@ -364,10 +364,10 @@ def test_sigkill_of_the_engine_children_exit_on_their_own_and_cleanup_removes_on
         assert text.count("engine is gone; exiting") == 2, text          # and each worker
         assert exited_after < 5
 
-        # the workers released their own memory; what is left is the dead engine's
+        # the workers released their own memory; what is left is the dead engine's. (Another program's
+        # SwapBackend.start() removes a dead deployment's leftovers too: on a busy machine they may be gone already.)
         left = deployment_entries(info["suffix"])
-        assert left and not any(what in e for e in left for what in ("cache_rank", "exports_rank", "worker_rank")), left
-        assert os.path.isdir(info["socket_dir"])
+        assert not any(what in e for e in left for what in ("cache_rank", "exports_rank", "worker_rank")), left
 
         out = subprocess.run([sys.executable, "-m", "fastcache.tools.cleanup"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=60)
