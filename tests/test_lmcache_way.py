@@ -371,8 +371,9 @@ def test_a_dependency_neither_environment_has_is_named_before_anything_starts(lm
 
 
 def readme_install_hidden() -> set[str]:
-    """The top-level modules of this environment that the README's vLLM install (fastcache's [vllm] extra and
-    what it requires, recursively) does not bring: hidden, the engine sees what that install would give it."""
+    """The top-level modules that the test and mooncake extras bring beside the README's vLLM install
+    (fastcache's [vllm] extra and what it requires, recursively): hidden, the engine sees what that install
+    would give it (sortedcontainers, which the test extra brings through hypothesis, among them)."""
     import importlib.metadata as md
     import re
 
@@ -381,7 +382,23 @@ def readme_install_hidden() -> set[str]:
     def norm(name):
         return re.sub(r"[-_.]+", "-", name).lower()
 
-    def top_level(dist):
+    dists = {norm(d.metadata["Name"]): d for d in md.distributions()}
+
+    def closure(extras) -> set[str]:
+        todo, seen = [("fastcache", frozenset(extras))], set()
+        while todo:
+            name, wanted = todo.pop()
+            if (norm(name), wanted) in seen or norm(name) not in dists:
+                continue
+            seen.add((norm(name), wanted))
+            for line in dists[norm(name)].requires or ():
+                req = Requirement(line)
+                if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in wanted or {""}):
+                    todo.append((req.name, frozenset(req.extras)))
+        return {n for n, _ in seen}
+
+    def top_level(name):
+        dist = dists[name]
         listed = dist.read_text("top_level.txt")
         if listed:
             return set(listed.split())
@@ -394,20 +411,9 @@ def readme_install_hidden() -> set[str]:
                 names.add(head.split(".")[0])
         return names
 
-    dists = {norm(d.metadata["Name"]): d for d in md.distributions()}
-    todo, seen = [("fastcache", frozenset({"vllm"}))], set()
-    while todo:
-        name, extras = todo.pop()
-        if (norm(name), extras) in seen or norm(name) not in dists:
-            continue
-        seen.add((norm(name), extras))
-        for line in dists[norm(name)].requires or ():
-            req = Requirement(line)
-            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras or {""}):
-                todo.append((req.name, frozenset(req.extras)))
-    installed = {n for n, _ in seen}
-    kept = set().union(*(top_level(dists[n]) for n in installed))
-    return set().union(*(top_level(d) for n, d in dists.items() if n not in installed)) - kept
+    readme = closure({"vllm"})
+    kept = set().union(*(top_level(n) for n in readme))
+    return set().union(*(top_level(n) for n in closure({"test", "mooncake"}) - readme)) - kept
 
 
 @needs_vllm
