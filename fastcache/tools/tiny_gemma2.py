@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 
 import numpy as np
+
+from . import tiny_llama
 
 WINDOW = 256
 CONFIG = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
@@ -69,17 +70,5 @@ def write_checkpoint(path: str, seed: int) -> str:
 
 
 def prompts(bases: int = BASES, tails: int = TAILS, seed: int = 0):
-    """bases x len(SHARES) x tails prompts (a base's first SHARES[i] tokens, then a tail of its own), then
-    len(SHARES) x bases probes (a base's first SHARES[i] tokens, then one tail common to every probe)."""
-    r = random.Random(seed)
-    base = [[r.randrange(3, 1000) for _ in range(max(SHARES))] for _ in range(bases)]
-    out = []
-    for t in range(tails):
-        for b in range(bases):
-            for share in SHARES:
-                out.append(base[b][:share] + [r.randrange(3, 1000) for _ in range(40 + t)])
-    common = [r.randrange(3, 1000) for _ in range(40)]
-    for share in SHARES:
-        for b in range(bases):
-            out.append(base[b][:share] + common)
-    return out
+    """tiny_llama's prompts over this model's shared prefix lengths (each at least the sliding window)."""
+    return tiny_llama.prompts(bases, tails, seed, shares=SHARES)

@@ -82,18 +82,18 @@ def write_tokenizer(path: str) -> str:
     return path
 
 
-def prompts(bases: int = BASES, tails: int = TAILS, seed: int = 0):
-    """bases x len(SHARES) x tails prompts (a base's first SHARES[i] tokens, then a tail of its own), then
-    len(SHARES) x bases probes (a base's first SHARES[i] tokens, then one tail common to every probe)."""
+def prompts(bases: int = BASES, tails: int = TAILS, seed: int = 0, shares=SHARES):
+    """bases x len(shares) x tails prompts (a base's first shares[i] tokens, then a tail of its own), then
+    len(shares) x bases probes (a base's first shares[i] tokens, then one tail common to every probe)."""
     r = random.Random(seed)
-    base = [[r.randrange(3, 1000) for _ in range(max(SHARES))] for _ in range(bases)]
+    base = [[r.randrange(3, 1000) for _ in range(max(shares))] for _ in range(bases)]
     out = []
     for t in range(tails):
         for b in range(bases):
-            for share in SHARES:
+            for share in shares:
                 out.append(base[b][:share] + [r.randrange(3, 1000) for _ in range(40 + t)])
     common = [r.randrange(3, 1000) for _ in range(40)]
-    for share in SHARES:
+    for share in shares:
         for b in range(bases):
             out.append(base[b][:share] + common)
     return out
