@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import threading
 import time
@@ -40,12 +39,13 @@ import numpy as np
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, transfer_party, worker_party
-from ..ipc.manifest import read_json_segment, read_manifest, write_json_segment
-from ..ipc.naming import device_memory_name, reshard_plan_name, reshard_staging_name, weights_name
+from ..ipc.manifest import write_json_segment
+from ..ipc.naming import reshard_plan_name, reshard_staging_name
 from ..ipc.protocol import ABORT, COMMIT, MOVE, PREPARE
-from ..ipc.shm import SHM_DIR, SegmentError, SharedSegment, check_shm_room
+from ..ipc.shm import SharedSegment, check_shm_room
 from ..ipc.signal import NORMAL, RESHARDING, STATUS_NAMES, publish_stage
 from ..config import CacheSpec
+from .reshard_report import rank_device_memory, step_report
 from ..reshard_plan import DEFAULT_STAGING_BYTES, MAX_RANKS, Capacity, Plan, check_tp, least, resharded_spec
 
 log = logging.getLogger("fastcache.engine")
@@ -600,77 +600,10 @@ class Resharder:
             step.plan_segment = None
 
     def _reshard_report(self, step, seconds):
-        plan = step.plan
-        moved = {k: 0 for k in ("local", "remote", "cpu", "compaction")}
-        for r in range(max(plan.old_tp, plan.new_tp)):
-            for k, v in plan.moved_bytes(r).items():
-                moved[k] += v
-        total = sum(moved.values())
-        move_seconds = sum(t for _, _, t in step.times.get("waves", []))
-        copy_seconds = sum(step.times.get("copies", []))    # the waves' slowest ranks' copies alone
-        return {"from_tp": plan.old_tp, "to_tp": plan.new_tp, "seconds": seconds, "move_seconds": move_seconds,
-                "bytes_moved": total, "gbps": total / move_seconds / 1e9 if move_seconds else 0.0,
-                "copy_seconds": copy_seconds, "copy_gbps": total / copy_seconds / 1e9 if copy_seconds else 0.0,
-                "bytes_by_source": moved,
-                "waves": [(role, ranks, t) for role, ranks, t in step.times.get("waves", [])],
-                "gpu_blocks_per_rank": [plan.old_spec.num_gpu_blocks, plan.new_spec.num_gpu_blocks],
-                "cpu_blocks_per_rank": [plan.old_spec.num_cpu_blocks, plan.new_spec.num_cpu_blocks],
-                "live_gpu_blocks": len(plan.gpu_old), "live_cpu_blocks": len(plan.cpu_old),
-                "block_map": plan.gpu_map, "cpu_block_map": plan.cpu_map,
-                "staging_bytes": {r: plan.staging_bytes_for(r, "gpu") for r in plan.kept},
-                "cpu_staging_bytes": {r: plan.staging_bytes_for(r, "cpu") for r in plan.kept},
-                **self._weights_report(plan, total, sum(step.times.get("kv_copies", [])),
-                                       sum(step.times.get("weight_copies", []))),
-                "device_memory": [self._device_memory(r) for r in range(plan.new_tp)]}
-
-    @staticmethod
-    def _weights_report(plan, total, kv_seconds, weights_seconds) -> dict:
-        """The KV's and the weights' parts of the moves: bytes, and copy seconds (a rank's program builds its
-        KV rows, then its weight rows, timed apart; per wave the slowest rank's part, summed over waves)."""
-        weights = sum(sum(plan.moved_weight_bytes(r).values()) for r in range(plan.new_tp))
-        kv = total - weights
-        out = {"weights_bytes": weights, "kv_bytes": kv, "weights_share": weights / total if total else 0.0,
-               "kv_seconds": kv_seconds, "weights_seconds": weights_seconds,
-               "kv_gbps": kv / kv_seconds / 1e9 if kv_seconds else 0.0,
-               "weights_gbps": weights / weights_seconds / 1e9 if weights_seconds else 0.0}
-        if plan.weights is not None:
-            summary = plan.summary()
-            out["weight_moves"], out["weight_allocations"] = summary["weight_moves"], summary["weight_allocations"]
-        return out
-
-    def _device_memory(self, rank: int) -> dict:
-        """Rank's device memory after the step: its GPU blocks, and what its worker reported at COMMIT (cuda: the
-        driver's free and total bytes, its framework allocator's allocated, reserved and fragmented bytes), or on
-        sim what its shared-memory segments show (_sim_device_memory)."""
-        out = {"rank": rank, "gpu_blocks": self._host.spec.num_gpu_blocks}
-        if self._host.device == "sim":
-            out.update(self._sim_device_memory(rank))
-        try:
-            out.update(read_json_segment(device_memory_name(self._host.suffix, rank), self._host.suffix))
-        except (SegmentError, ValueError):
-            pass        # the worker's device reports nothing of its own (sim), or could not say
-        return out
-
-    def _sim_device_memory(self, rank: int) -> dict:
-        """sim: allocated: bytes of the segments the rank's cache and weights lie in; reserved: its allocations
-        (the cache's arena, each weight tensor's allocation); in_use: the tensors of the current geometry; free =
-        reserved - in_use (room a later step may grow into, e.g. a weight allocation larger than its slice after
-        a scale-out); fragmented = allocated - reserved (bytes no allocation covers: a weight tensor's old place
-        after it moved to a new allocation, alignment, segment headers)."""
-        try:
-            cache = read_manifest(self._host.suffix, rank)
-            weights = read_json_segment(weights_name(self._host.suffix, rank, "exports"), self._host.suffix) \
-                if self._host.weights.layout is not None else []
-        except (SegmentError, ValueError):
-            return {}
-        sizes = {e["segment"]: os.stat(os.path.join(SHM_DIR, e["segment"].lstrip("/"))).st_size
-                 for e in cache + weights if "segment" in e}
-        kv_arenas = {e["segment"] for e in cache if "segment" in e}
-        reserved = sum(sizes[s] for s in kv_arenas) + (sum(self._weight_capacities[rank]) if weights else 0)
-        in_use = self._host.spec.gpu_cache_bytes + (self._host.weights.layout.gpu_cache_bytes if weights else 0)
-        allocated = sum(sizes.values())
-        return {"allocated_bytes": allocated, "reserved_bytes": reserved, "in_use_bytes": in_use,
-                "free_bytes": reserved - in_use, "fragmented_bytes": allocated - reserved}
+        device_memory = [rank_device_memory(self._host.device, self._host.suffix, r, self._host.spec,
+                                            self._host.weights.layout, self._weight_capacities)
+                         for r in range(step.plan.new_tp)]
+        return step_report(step.plan, step.times, seconds, device_memory)
 
 
 def slice_bytes(layout) -> list:
