@@ -22,7 +22,10 @@ class Completion:
         self._start = time.perf_counter()
         self._callbacks = []
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._finished = False
+        # held until done: a waiter takes it and hands it on at once (one lock, no Event's Condition per task)
+        self._gate = threading.Lock()
+        self._gate.acquire()
 
     def add_done_callback(self, fn):
         """Call fn(handle) once the handle is done, before result() returns to any waiter (so what
@@ -44,14 +47,26 @@ class Completion:
     def _release(self, callbacks):
         for fn in callbacks:
             _call(fn, self)
-        self._event.set()
+        self._finished = True
+        self._gate.release()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._finished
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Until done or timeout seconds (None: no limit; 0 or less: no wait, as threading.Event.wait)."""
+        if self._finished:
+            return True
+        gate = self._gate
+        if not (gate.acquire() if timeout is None else gate.acquire(True, timeout) if timeout > 0 else
+                gate.acquire(False)):
+            return False
+        gate.release()          # the next waiter's turn
+        return True
 
     def result(self, timeout: float | None = None):
         """Wait until done; raise TransferError naming what failed."""
-        if not self._event.wait(timeout):
+        if not self._finished and not self._wait(timeout):
             raise TimeoutError(self._timeout_message(timeout))
         error = self.error
         if error:
@@ -154,7 +169,7 @@ class TransferHandle(Completion):
                        failed=lambda: self.error if self.done() else None, slots=getattr(signals, table),
                        claims=getattr(signals, claims))
         except TransferError:
-            if self._event.wait(REPORT_WAIT_S):     # a rank marked the task failed: raise its report, which says why
+            if self._wait(REPORT_WAIT_S):     # a rank marked the task failed: raise its report, which says why
                 self.result()
             raise
         except ValueError:
