@@ -292,9 +292,7 @@ class SwapBackend:
             self._check_can_submit(what)
         task_id = next(self._task_ids) if slots is None else \
             slots.claim(getattr(self.signals, claims), range(self.tp_size), self._task_ids)
-        handle = TransferHandle(task_id, kind, range(self.tp_size), nbytes)
-        handle.add_done_callback(self.counters.record)      # fastcache.metrics: per direction
-        return handle
+        return TransferHandle(task_id, kind, range(self.tp_size), nbytes, self.counters.record)   # fastcache.metrics
 
     def _ready_now(self) -> bool:
         """_check_can_submit's checks in one pass for the common case (running, NORMAL, no rank failed, every rank

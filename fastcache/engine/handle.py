@@ -46,7 +46,10 @@ class Completion:
 
     def _release(self, callbacks):
         for fn in callbacks:
-            _call(fn, self)
+            try:
+                fn(self)
+            except Exception:   # a broken callback must not break the I/O thread or the other callbacks
+                log.exception("callback of task %d raised", self.task_id)
         self._finished = True
         self._gate.release()
 
@@ -79,8 +82,11 @@ class Completion:
 
 
 class TransferHandle(Completion):
-    def __init__(self, task_id: int, kind: str, ranks, nbytes: int):
+    def __init__(self, task_id: int, kind: str, ranks, nbytes: int, on_done=None):
+        """on_done: a first done callback (as add_done_callback's)."""
         super().__init__()
+        if on_done is not None:
+            self._callbacks.append(on_done)
         self.task_id = task_id
         self.kind = kind
         self.nbytes = nbytes                 # bytes over all ranks: asked for, then as the ranks reported them
@@ -108,18 +114,22 @@ class TransferHandle(Completion):
         """Called by the engine's I/O thread with a rank's report, or with lost=True where the engine fails
         the rank itself (its process died or was restarted, or the backend closed)."""
         with self._lock:
-            if rank not in self._pending:
+            pending = self._pending
+            if rank not in pending:
                 return
-            self._pending.discard(rank)
+            pending.discard(rank)
             if error is not None:
                 self._errors[rank] = error
                 if lost:
                     self._lost.add(rank)
-            self._settle(rank, error is None)
+            if self._layers is not None:
+                self._settle(rank, error is None)
             self._reported += nbytes
-            self.skipped = max(self.skipped, skipped)
-            self.run_seconds = max(self.run_seconds, seconds)
-            if self._pending:
+            if skipped > self.skipped:
+                self.skipped = skipped
+            if seconds > self.run_seconds:
+                self.run_seconds = seconds
+            if pending:
                 return
             if not self._errors:
                 self.nbytes = self._reported

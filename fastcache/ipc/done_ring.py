@@ -5,8 +5,9 @@ doorbell (an eventfd the engine hands the process at spawn).
 One writer (the transfer manager's main thread) and one reader (the engine's I/O thread). Record i (from 0)
 lives in slot i % SLOTS; the writer fills its body and MAC first and its commit word (i + 1) last, so a reader
 that sees the commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
-After each record the writer publishes how many it has written, and the reader how many it has read, each
-with its own MAC: a slot is reused only once the reader has said, under the token, that it read it.
+After each record the writer publishes how many it has written, and the reader, every PUBLISH_EVERY records, how
+many it has read, each with its own MAC: a slot is reused only once the reader has said, under the token, that
+it read it.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
 without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A
@@ -27,6 +28,8 @@ from .naming import segment_name
 from .queue import MAC_BYTES
 
 SLOTS = 256
+PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
+#                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 RECORD = struct.Struct("<QQQd")         # task id, bytes moved, puts skipped, seconds
 RECORD_BYTES = 64                       # commit word, MAC, body, padding
 COUNT_BYTES = 32                        # a count and its MAC
@@ -122,6 +125,7 @@ class RingReader(_Ring):
     def __init__(self, segment, token: bytes, rank: int, pid: int):
         super().__init__(segment, token, rank, pid)
         self.next = 0
+        self.published = 0      # the read count last published to the writer
 
     def read(self) -> tuple[list[tuple], list[int]]:
         """(records, bad): the (task_id, nbytes, skipped, seconds) of each record written since the last call,
@@ -154,5 +158,7 @@ class RingReader(_Ring):
             i += 1
         if i != self.next:
             self.next = i
-            self._put_count(COUNT_BYTES, READ, i)
+            if i - self.published >= PUBLISH_EVERY:     # a MAC per record read would cost more than the rest
+                self.published = i
+                self._put_count(COUNT_BYTES, READ, i)
         return records, bad

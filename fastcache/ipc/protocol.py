@@ -92,8 +92,9 @@ def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarra
 
 
 _KIND_JSON = {kind: json.dumps(kind) for kind in TASK_KINDS}
-_SMALL_HEADER = '{"type":"task","task_id":%d,"kind":%s,"dtype":"%s","count":%d,"layerwise":%s,"group":"kv",' \
-                '"ring":0,"fence":%s}'
+_SMALL_HEADER = ',"kind":%s,"dtype":"%s","count":%d,"layerwise":%s,"group":"kv","ring":0,"fence":%s}'
+_SMALL_CACHED = 64          # tasks of up to this many ids: their header's tail and id layout are kept
+_small_forms: dict = {}     # (kind, wide, count, layerwise) -> (header after the task id, id layout)
 
 
 def encode_small_task(task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wide: bool, layerwise: bool = False,
@@ -101,11 +102,15 @@ def encode_small_task(task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wid
     """encode_task's message, byte for byte, for a KV swap whose ids are Python ints its caller has checked (in
     range of the wire dtype: int64 if wide, else int32), built without NumPy or the JSON encoder."""
     n = len(gpu_ids)
-    fences = json.dumps([list(f) for f in fence], separators=(",", ":")) if fence else "[]"
-    header = _SMALL_HEADER % (task_id, _KIND_JSON[kind], "int64" if wide else "int32", n,
-                              "true" if layerwise else "false", fences)
-    layout = ("<%dq" if wide else "<%di") % n
-    return [header.encode(), struct.pack(layout, *gpu_ids), struct.pack(layout, *cpu_ids)]
+    form = None if fence else _small_forms.get((kind, wide, n, layerwise))
+    if form is None:
+        fences = json.dumps([list(f) for f in fence], separators=(",", ":")) if fence else "[]"
+        form = ((_SMALL_HEADER % (_KIND_JSON[kind], "int64" if wide else "int32", n, "true" if layerwise else "false",
+                                  fences)).encode(), struct.Struct(("<%dq" if wide else "<%di") % n))
+        if not fence and n <= _SMALL_CACHED:
+            _small_forms[kind, wide, n, layerwise] = form
+    tail, layout = form
+    return [b'{"type":"task","task_id":%d' % task_id + tail, layout.pack(*gpu_ids), layout.pack(*cpu_ids)]
 
 
 def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
