@@ -234,7 +234,7 @@ class SwapBackend:
         return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids, fence, layerwise=layerwise)
 
     def _submit(self, kind, gpu_block_ids, cpu_block_ids, fence=None, layerwise: bool = False) -> TransferHandle:
-        fences = self._fences(fence)
+        fences = self._fences(fence) if fence is not None else ()
         spec = self.spec
         # a small request of valid ids is checked in plain Python (ids.py); anything else, valid or not, by _validate
         ids = small_swap_ids(gpu_block_ids, cpu_block_ids, kind == protocol.SWAP_TO_CPU, spec.num_gpu_blocks,
@@ -288,7 +288,10 @@ class SwapBackend:
         """The handle of a task about to be sent, once the deployment can take one: RefusedError while it is
         cleared, restored, resharded or not ready, TransferError if it is not running or a rank failed. A
         layer-by-layer task takes its id from `slots` (ipc/layers.py: no two unfinished ones share a slot)."""
-        if not self._ready_now():
+        view, ranks = self._ready_view, self._ranks
+        if not (view is not None and not self._closed and view.source is self.signals.cache_ready and
+                view.tp == self.tp_size and view.all_set() and not ranks.any_failed() and ranks.all_attached(view.tp)) \
+                and not self._ready_now():
             self._check_can_submit(what)
         task_id = next(self._task_ids) if slots is None else \
             slots.claim(getattr(self.signals, claims), range(self.tp_size), self._task_ids)
@@ -296,7 +299,8 @@ class SwapBackend:
 
     def _ready_now(self) -> bool:
         """_check_can_submit's checks in one pass for the common case (running, NORMAL, no rank failed, every rank
-        ready): True means they all pass; False only means that _check_can_submit must look closer."""
+        ready; _new_task makes them inline while its view of the signals is current): True means they all pass;
+        False only means that _check_can_submit must look closer."""
         if not self._started or self._closed:
             return False
         view, tp = self._ready_view, self.tp_size

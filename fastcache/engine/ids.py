@@ -38,11 +38,12 @@ def small_swap_ids(gpu_block_ids, cpu_block_ids, dest_is_cpu: bool, num_gpu_bloc
     tuples of ints, or 1-D integer arrays) and every check as_ids and protocol.check_ids make passes: in range,
     as many of each, no destination block twice. None for anything else, valid or not: the generic checks then
     decide, and name what is wrong."""
-    gpu, cpu = _small_list(gpu_block_ids), _small_list(cpu_block_ids)
+    gpu = gpu_block_ids if type(gpu_block_ids) is list else _small_list(gpu_block_ids)
+    cpu = cpu_block_ids if type(cpu_block_ids) is list else _small_list(cpu_block_ids)
     if gpu is None or cpu is None:
         return None
     n = len(gpu)
-    if n != len(cpu) or n == 0:
+    if n != len(cpu) or not 0 < n <= SMALL_IDS:
         return None
     if n == 1:                  # the common one-block task
         g, c = gpu[0], cpu[0]
@@ -63,10 +64,8 @@ def small_swap_ids(gpu_block_ids, cpu_block_ids, dest_is_cpu: bool, num_gpu_bloc
 
 
 def _small_list(ids):
-    """ids as a list of at most SMALL_IDS items if it is a list, tuple or 1-D integer array that short; else None."""
+    """ids as a list if it is a tuple or a 1-D integer array of at most SMALL_IDS ids; else None."""
     kind = type(ids)
-    if kind is list:
-        return ids if len(ids) <= SMALL_IDS else None
     if kind is tuple:
         return list(ids) if len(ids) <= SMALL_IDS else None
     if kind is np.ndarray and ids.ndim == 1 and ids.size <= SMALL_IDS and ids.dtype.kind in "iu":
