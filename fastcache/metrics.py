@@ -12,6 +12,7 @@ never imports it.
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 
 # Upper bounds (seconds) of the latency histograms: a one-block task takes ~0.5 ms on sim, a bulk one
@@ -44,24 +45,42 @@ class Histogram:
 
 class SwapCounters:
     """What a SwapBackend has moved: tasks by direction and outcome, bytes, latency (submit -> every rank
-    done). Fed by each task handle's completion callback."""
+    done). Fed by each task handle's completion callback, which only queues the handle (one append on the
+    engine's I/O thread per task): the queue is counted in batches of FOLD_EVERY, and at each snapshot."""
+
+    FOLD_EVERY = 256
 
     def __init__(self):
         self._lock = threading.Lock()
         self._tasks = {(d, o): 0 for d in DIRECTIONS.values() for o in ("done", "failed")}
         self._bytes = {d: 0 for d in DIRECTIONS.values()}
         self._latency = {d: Histogram() for d in DIRECTIONS.values()}
+        self._queue = collections.deque()       # done handles not counted yet (appends and pops are atomic)
 
     def record(self, handle):
-        direction = DIRECTIONS.get(handle.kind, handle.kind)
-        failed = handle.error is not None
+        queue = self._queue
+        queue.append(handle)
+        if len(queue) >= self.FOLD_EVERY:
+            self._fold()
+
+    def _fold(self):
+        queue = self._queue
         with self._lock:
-            self._tasks[direction, "failed" if failed else "done"] += 1
-            if not failed:
-                self._bytes[direction] += handle.nbytes
-                self._latency[direction].observe(handle.elapsed)
+            while True:
+                try:
+                    handle = queue.popleft()
+                except IndexError:
+                    return
+                direction = DIRECTIONS.get(handle.kind, handle.kind)
+                if handle.error is not None:
+                    self._tasks[direction, "failed"] += 1
+                else:
+                    self._tasks[direction, "done"] += 1
+                    self._bytes[direction] += handle.nbytes
+                    self._latency[direction].observe(handle.elapsed)
 
     def snapshot(self) -> dict:
+        self._fold()
         with self._lock:
             return {"tasks": dict(self._tasks), "bytes": dict(self._bytes),
                     "latency": {d: h.snapshot() for d, h in self._latency.items()}}

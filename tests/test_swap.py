@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fastcache import SwapBackend, TransferError
+from fastcache import RefusedError, SwapBackend, TransferError
 from fastcache.ipc import protocol
 from fastcache.ops.sim import RUN_MIN_ROW_BYTES
 
@@ -176,6 +176,48 @@ def test_bad_requests_raise_before_anything_is_sent(gpu, cpu, message):
                 submit(gpu, cpu)
         assert np.array_equal(backend.cpu_tier(0), before)
         backend.swap_out([1], [1]).result(timeout=10)       # and the deployment still works
+
+
+SMALL_BAD_REQUESTS = [         # the shapes the small-swap path takes (engine/ids.py): the generic check's error
+    ((24,), (0,), "gpu block id 24 out of range"),
+    (np.array([3], np.int32), np.array([16], np.int32), "cpu block id 16 out of range"),
+    (np.array([-1]), np.array([0]), "gpu block id -1 out of range"),
+    (np.array([2**63], np.uint64), np.array([0], np.uint64), "out of range"),
+    ([np.int64(1), 2], (3, 3), "duplicate destination cpu"),
+    ([True], [0], "integers"),
+    (np.array([1, 2]), np.array([3]), "has 2 ids but"),
+]
+
+
+@pytest.mark.parametrize("gpu,cpu,message", SMALL_BAD_REQUESTS)
+def test_a_small_bad_request_gets_the_generic_error_and_submits_nothing(gpu, cpu, message):
+    with deployment(small_spec()) as (backend, (worker,)):
+        randomize(worker, np.random.default_rng(8))
+        before = [backend.cpu_tier(0).copy()] + [t.copy() for t in all_tensors(worker)]
+        first = backend.swap_out([1], [1]).result(timeout=10)
+        backend.cpu_tier(0)[1] = before[0][1]
+        with pytest.raises(ValueError, match=message):
+            backend.swap_out(gpu, cpu)
+        if "duplicate" not in message:
+            with pytest.raises(ValueError, match=message):
+                backend.swap_in(gpu, cpu)
+        assert all(np.array_equal(a, b) for a, b in zip([backend.cpu_tier(0)] + all_tensors(worker), before))
+        assert backend.swap_out([1], [1]).result(timeout=10).task_id == first.task_id + 1   # no task was made
+
+
+@pytest.mark.parametrize("signal", ["cache_ready", "swap_space_ready"])
+def test_a_rank_that_stops_being_ready_refuses_the_next_swap_with_the_reason(signal):
+    """The engine reads the ranks' readiness in shared memory on every task (a worker releasing its cache writes
+    cache_ready 0 from its own process)."""
+    with deployment(small_spec(), tp=2) as (backend, _):
+        backend.swap_out([1], [1]).result(timeout=10)
+        getattr(backend.signals, signal)[1] = 0
+        with pytest.raises(RefusedError, match=f"not ready .*rank 1: .*{signal}=0"):
+            backend.swap_out([2], [2])
+        with pytest.raises(RefusedError, match="not ready"):
+            backend.swap_in(np.array([2, 3]), np.array([2, 3]))
+        getattr(backend.signals, signal)[1] = 1
+        backend.swap_out([2], [2]).result(timeout=10)
 
 
 def test_duplicate_destination_ids_are_refused():

@@ -28,7 +28,7 @@ from ..ipc.naming import new_suffix, swap_space_name
 from ..ipc.reaper import Reaper
 from ..ipc.queue import make_socket_dir, new_token, remove_socket_dir
 from ..ipc.shm import SharedSegment, check_shm_room
-from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals
+from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals, ReadyView
 from ..metrics import SwapCounters
 from ..ops import resolve_device
 from ..reshard_plan import DEFAULT_STAGING_BYTES
@@ -38,7 +38,7 @@ from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
 from .handle import TransferHandle
-from .ids import as_ids, wire_dtype
+from .ids import SMALL_IDS, as_ids, small_swap_ids, wire_dtype
 from .ranks import RankSupervisor
 from .resharder import Resharder
 from .store_tasks import StoreTasks
@@ -101,6 +101,7 @@ class SwapBackend:
         self._swap_segments: list[SharedSegment | None] = [None] * tp_size
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
+        self._ready_view: ReadyView | None = None      # the signals _new_task reads, made on the first task
         self._resharder = Resharder(_ReshardHost(self))      # docs/design.md §9 (engine/resharder.py)
 
     # -- start-up --------------------------------------------------------------------------------
@@ -233,9 +234,14 @@ class SwapBackend:
         return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids, fence, layerwise=layerwise)
 
     def _submit(self, kind, gpu_block_ids, cpu_block_ids, fence=None, layerwise: bool = False) -> TransferHandle:
-        fences = self._fences(fence)
-        return self._submit_ids(kind, *self._validate(kind, gpu_block_ids, cpu_block_ids), layerwise=layerwise,
-                                fence=fences)
+        fences = self._fences(fence) if fence is not None else ()
+        spec = self.spec
+        # a small request of valid ids is checked in plain Python (ids.py); anything else, valid or not, by _validate
+        ids = small_swap_ids(gpu_block_ids, cpu_block_ids, kind == protocol.SWAP_TO_CPU, spec.num_gpu_blocks,
+                             spec.num_cpu_blocks)
+        if ids is None:
+            ids = self._validate(kind, gpu_block_ids, cpu_block_ids)
+        return self._submit_ids(kind, *ids, layerwise=layerwise, fence=fences)
 
     def _fences(self, fence) -> list:
         """fence as a list of Fences, distinct ranks of this deployment; ValueError otherwise."""
@@ -259,21 +265,53 @@ class SwapBackend:
         """A swap of ids the caller has already checked as _validate does. TieredCache checks each request
         before it touches its index and names only CPU blocks it owns, so its swaps skip a second check
         (each transfer manager still checks every task it receives)."""
+        if len(gpu_ids) <= SMALL_IDS:
+            return self._submit_ids(kind, list(map(int, gpu_ids)), list(map(int, cpu_ids)))
         wire = wire_dtype(self.spec)
         return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
 
     def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False, fence=()) -> TransferHandle:
+        """gpu_ids, cpu_ids: checked ids, as wire-dtype arrays or (a small task) lists of Python ints."""
         slots = self._layer_slots if layerwise else None
-        handle = self._new_task(kind, self.spec.task_bytes(gpu_ids) * self.tp_size, "swap", slots)
+        spec = self.spec
+        handle = self._new_task(kind, spec.task_bytes(gpu_ids) * self.tp_size, "swap", slots)
         if layerwise:
-            handle.publishes_layers(self.signals, range(self.tp_size), self.spec.total_layers, slots)
-        return self._send_task(handle, protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise,
-                                                            fence=fence))
+            handle.publishes_layers(self.signals, range(self.tp_size), spec.total_layers, slots)
+        if type(gpu_ids) is list:
+            message = protocol.encode_small_task(handle.task_id, kind, gpu_ids, cpu_ids,
+                                                 wire_dtype(spec) is np.int64, layerwise, fence)
+        else:
+            message = protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise, fence=fence)
+        return self._send_task(handle, message)
 
     def _new_task(self, kind, nbytes: int, what: str, slots=None, claims: str = "layer_claims") -> TransferHandle:
         """The handle of a task about to be sent, once the deployment can take one: RefusedError while it is
         cleared, restored, resharded or not ready, TransferError if it is not running or a rank failed. A
         layer-by-layer task takes its id from `slots` (ipc/layers.py: no two unfinished ones share a slot)."""
+        view, ranks = self._ready_view, self._ranks
+        if not (view is not None and not self._closed and view.source is self.signals.cache_ready and
+                view.tp == self.tp_size and view.all_set() and not ranks.any_failed() and ranks.all_attached(view.tp)) \
+                and not self._ready_now():
+            self._check_can_submit(what)
+        task_id = next(self._task_ids) if slots is None else \
+            slots.claim(getattr(self.signals, claims), range(self.tp_size), self._task_ids)
+        return TransferHandle(task_id, kind, range(self.tp_size), nbytes, self.counters.record)   # fastcache.metrics
+
+    def _ready_now(self) -> bool:
+        """_check_can_submit's checks in one pass for the common case (running, NORMAL, no rank failed, every rank
+        ready; _new_task makes them inline while its view of the signals is current): True means they all pass;
+        False only means that _check_can_submit must look closer."""
+        if not self._started or self._closed:
+            return False
+        view, tp = self._ready_view, self.tp_size
+        if view is None or view.source is not self.signals.cache_ready or view.tp != tp:
+            view = self._ready_view = ReadyView(self.signals, tp, self.weight_layout is not None)
+        ranks = self._ranks
+        return view.all_set() and not ranks.any_failed() and ranks.all_attached(tp)
+
+    def _check_can_submit(self, what: str):
+        """RefusedError while the deployment is cleared, restored, resharded or not ready, TransferError if it is
+        not running or a rank failed."""
         if not self._started or self._closed:
             raise TransferError("the backend is not running")
         status = self.signals.status
@@ -283,11 +321,6 @@ class SwapBackend:
         self._ranks.raise_if_failed()
         if not self._all_ready():
             raise RefusedError(f"{what} refused: deployment not ready ({self._readiness()}); call wait_ready()")
-        task_id = next(self._task_ids) if slots is None else \
-            slots.claim(getattr(self.signals, claims), range(self.tp_size), self._task_ids)
-        handle = TransferHandle(task_id, kind, range(self.tp_size), nbytes)
-        handle.add_done_callback(self.counters.record)      # fastcache.metrics: per direction
-        return handle
 
     def _new_phase_task(self, kind, nbytes: int) -> TransferHandle:
         """The handle of a task that a phase sends outside NORMAL (a sleep's or a wake's weight copy)."""
@@ -603,6 +636,7 @@ class SwapBackend:
         self._resharder.close()
         if self.barrier is not None:
             self.barrier.close()
+        self._ready_view = None         # its views of the signals go before they are unmapped
         if self.signals is not None:
             self.signals.close()
         if hasattr(self, "socket_dir"):

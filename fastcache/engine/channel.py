@@ -292,11 +292,21 @@ class TaskChannel:
 
     def read_rings(self):
         """Complete the handles of every record the ranks' completion rings hold; ask again for bad ones."""
-        with self._rings_lock:
-            read = [(rank, *ring.read()) for rank, ring in self._rings.items()]
+        read = []
+        with self._rings_lock:          # open_pipe and the retiring calls close rings
+            for rank, ring in self._rings.items():
+                records, bad = ring.read()
+                if records or bad:
+                    read.append((rank, records, bad))
+        handles = self._handles
         for rank, records, bad in read:
             for task_id, nbytes, skipped, seconds in records:
-                self._reply_for(task_id, rank, nbytes=nbytes, skipped=skipped, seconds=seconds)
+                handle = handles.get(task_id)       # one dict read: atomic (a task's handle is added before it is sent)
+                if handle is not None:
+                    handle.rank_finished(rank, None, nbytes, skipped, False, seconds)
+                    if handle.done():
+                        with self._handles_lock:
+                            handles.pop(task_id, None)
             if bad:
                 self._warn_once(("ring", rank), f"rank {rank}: completion records {bad[0]}..{bad[-1]} of its ring "
                                                 f"failed authentication (another process wrote to it); asked for "

@@ -22,7 +22,10 @@ class Completion:
         self._start = time.perf_counter()
         self._callbacks = []
         self._lock = threading.Lock()
-        self._event = threading.Event()
+        self._finished = False
+        # held until done: a waiter takes it and hands it on at once (one lock, no Event's Condition per task)
+        self._gate = threading.Lock()
+        self._gate.acquire()
 
     def add_done_callback(self, fn):
         """Call fn(handle) once the handle is done, before result() returns to any waiter (so what
@@ -43,15 +46,30 @@ class Completion:
 
     def _release(self, callbacks):
         for fn in callbacks:
-            _call(fn, self)
-        self._event.set()
+            try:
+                fn(self)
+            except Exception:   # a broken callback must not break the I/O thread or the other callbacks
+                log.exception("callback of task %d raised", self.task_id)
+        self._finished = True
+        self._gate.release()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._finished
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Until done or timeout seconds (None: no limit; 0 or less: no wait, as threading.Event.wait)."""
+        if self._finished:
+            return True
+        gate = self._gate
+        if not (gate.acquire() if timeout is None else gate.acquire(True, timeout) if timeout > 0 else
+                gate.acquire(False)):
+            return False
+        gate.release()          # the next waiter's turn
+        return True
 
     def result(self, timeout: float | None = None):
         """Wait until done; raise TransferError naming what failed."""
-        if not self._event.wait(timeout):
+        if not self._finished and not self._wait(timeout):
             raise TimeoutError(self._timeout_message(timeout))
         error = self.error
         if error:
@@ -64,8 +82,11 @@ class Completion:
 
 
 class TransferHandle(Completion):
-    def __init__(self, task_id: int, kind: str, ranks, nbytes: int):
+    def __init__(self, task_id: int, kind: str, ranks, nbytes: int, on_done=None):
+        """on_done: a first done callback (as add_done_callback's)."""
         super().__init__()
+        if on_done is not None:
+            self._callbacks.append(on_done)
         self.task_id = task_id
         self.kind = kind
         self.nbytes = nbytes                 # bytes over all ranks: asked for, then as the ranks reported them
@@ -93,18 +114,22 @@ class TransferHandle(Completion):
         """Called by the engine's I/O thread with a rank's report, or with lost=True where the engine fails
         the rank itself (its process died or was restarted, or the backend closed)."""
         with self._lock:
-            if rank not in self._pending:
+            pending = self._pending
+            if rank not in pending:
                 return
-            self._pending.discard(rank)
+            pending.discard(rank)
             if error is not None:
                 self._errors[rank] = error
                 if lost:
                     self._lost.add(rank)
-            self._settle(rank, error is None)
+            if self._layers is not None:
+                self._settle(rank, error is None)
             self._reported += nbytes
-            self.skipped = max(self.skipped, skipped)
-            self.run_seconds = max(self.run_seconds, seconds)
-            if self._pending:
+            if skipped > self.skipped:
+                self.skipped = skipped
+            if seconds > self.run_seconds:
+                self.run_seconds = seconds
+            if pending:
                 return
             if not self._errors:
                 self.nbytes = self._reported
@@ -154,7 +179,7 @@ class TransferHandle(Completion):
                        failed=lambda: self.error if self.done() else None, slots=getattr(signals, table),
                        claims=getattr(signals, claims))
         except TransferError:
-            if self._event.wait(REPORT_WAIT_S):     # a rank marked the task failed: raise its report, which says why
+            if self._wait(REPORT_WAIT_S):     # a rank marked the task failed: raise its report, which says why
                 self.result()
             raise
         except ValueError:

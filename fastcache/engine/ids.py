@@ -6,6 +6,7 @@ import numpy as np
 
 MASK = (1 << 64) - 1
 MIN_HASH = -(1 << 63)
+SMALL_IDS = 64          # a swap of at most this many blocks is checked in plain Python (the latency path)
 
 
 def wire_dtype(spec):
@@ -30,6 +31,46 @@ def as_ids(ids, label) -> np.ndarray:
     if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{label}: block id {arr.max()} out of range")
     return arr.astype(np.int64)
+
+
+def small_swap_ids(gpu_block_ids, cpu_block_ids, dest_is_cpu: bool, num_gpu_blocks: int, num_cpu_blocks: int):
+    """(gpu ids, cpu ids) as lists of Python ints when a swap request is small (1..SMALL_IDS blocks: lists or
+    tuples of ints, or 1-D integer arrays) and every check as_ids and protocol.check_ids make passes: in range,
+    as many of each, no destination block twice. None for anything else, valid or not: the generic checks then
+    decide, and name what is wrong."""
+    gpu = gpu_block_ids if type(gpu_block_ids) is list else _small_list(gpu_block_ids)
+    cpu = cpu_block_ids if type(cpu_block_ids) is list else _small_list(cpu_block_ids)
+    if gpu is None or cpu is None:
+        return None
+    n = len(gpu)
+    if n != len(cpu) or not 0 < n <= SMALL_IDS:
+        return None
+    if n == 1:                  # the common one-block task
+        g, c = gpu[0], cpu[0]
+        if type(g) is int and type(c) is int and 0 <= g < num_gpu_blocks and 0 <= c < num_cpu_blocks:
+            return gpu, cpu
+        return None
+    for v in gpu:
+        if type(v) is not int:      # bool, NumPy scalars, floats: the generic path
+            return None
+    for v in cpu:
+        if type(v) is not int:
+            return None
+    if min(gpu) < 0 or max(gpu) >= num_gpu_blocks or min(cpu) < 0 or max(cpu) >= num_cpu_blocks:
+        return None
+    if len(set(cpu if dest_is_cpu else gpu)) != n:
+        return None
+    return gpu, cpu
+
+
+def _small_list(ids):
+    """ids as a list if it is a tuple or a 1-D integer array of at most SMALL_IDS ids; else None."""
+    kind = type(ids)
+    if kind is tuple:
+        return list(ids) if len(ids) <= SMALL_IDS else None
+    if kind is np.ndarray and ids.ndim == 1 and ids.size <= SMALL_IDS and ids.dtype.kind in "iu":
+        return ids.tolist()
+    return None
 
 
 def as_gpu_ids(ids, bound) -> list[int]:

@@ -5,8 +5,9 @@ doorbell (an eventfd the engine hands the process at spawn).
 One writer (the transfer manager's main thread) and one reader (the engine's I/O thread). Record i (from 0)
 lives in slot i % SLOTS; the writer fills its body and MAC first and its commit word (i + 1) last, so a reader
 that sees the commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
-After each record the writer publishes how many it has written, and the reader how many it has read, each
-with its own MAC: a slot is reused only once the reader has said, under the token, that it read it.
+After each record the writer publishes how many it has written, and the reader, every PUBLISH_EVERY records, how
+many it has read, each with its own MAC: a slot is reused only once the reader has said, under the token, that
+it read it.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
 without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A
@@ -27,6 +28,8 @@ from .naming import segment_name
 from .queue import MAC_BYTES
 
 SLOTS = 256
+PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
+#                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 RECORD = struct.Struct("<QQQd")         # task id, bytes moved, puts skipped, seconds
 RECORD_BYTES = 64                       # commit word, MAC, body, padding
 COUNT_BYTES = 32                        # a count and its MAC
@@ -42,12 +45,11 @@ def ring_name(suffix: str, rank: int, incarnation: int) -> str:
     return segment_name(suffix, f"done_rank{rank}.{incarnation}")
 
 
-def _mac(token: bytes, person: bytes, who: bytes, *parts) -> bytes:
+def _keyed(token: bytes, person: bytes, who: bytes):
+    """_mac's state after `who`: copied for each MAC (cheaper than keying a new one)."""
     digest = hashlib.blake2b(key=token, digest_size=MAC_BYTES, person=person)
     digest.update(who)
-    for part in parts:
-        digest.update(part)
-    return digest.digest()
+    return digest
 
 
 class _Ring:
@@ -56,19 +58,28 @@ class _Ring:
             raise ValueError(f"completion ring {segment.name}: {segment.size} bytes, expected {RING_BYTES}")
         self.segment, self.token, self.rank = segment, token, rank
         self.buf = memoryview(segment.array(np.uint8, (RING_BYTES,)))
-        self.words = segment.array(np.uint64, (RING_BYTES // 8,))   # the commit words and counts, one store each
+        # the commit words and counts, one aligned 8-byte load or store each (a memoryview: no NumPy scalars)
+        self.words = self.buf.cast("Q")
         self.who = ID.pack(pid, rank)
+        self._macs = {person: _keyed(token, person, self.who) for person in (DONE, WRITTEN, READ)}
+
+    def _mac(self, person: bytes, *parts) -> bytes:
+        digest = self._macs[person].copy()
+        for part in parts:
+            digest.update(part)
+        return digest.digest()
 
     def _put_count(self, offset: int, person: bytes, count: int):
-        self.buf[offset + 8:offset + COUNT_BYTES] = _mac(self.token, person, self.who, WORD.pack(count)) + bytes(8)
+        self.buf[offset + 8:offset + COUNT_BYTES] = self._mac(person, WORD.pack(count)) + bytes(8)
         self.words[offset // 8] = count     # the MAC and the count are two stores: a torn read fails the MAC
 
     def _get_count(self, offset: int, person: bytes) -> int | None:
         raw = bytes(self.buf[offset:offset + COUNT_BYTES])
-        good = hmac.compare_digest(raw[8:8 + MAC_BYTES], _mac(self.token, person, self.who, raw[:8]))
+        good = hmac.compare_digest(raw[8:8 + MAC_BYTES], self._mac(person, raw[:8]))
         return WORD.unpack_from(raw)[0] if good else None
 
     def close(self):
+        self.words.release()
         self.buf.release()
         self.buf = self.words = None
         self.segment.close()
@@ -96,7 +107,7 @@ class RingWriter(_Ring):
         body = RECORD.pack(task_id, nbytes, skipped, seconds)
         index = WORD.pack(i + 1)
         at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
-        self.buf[at + 8:at + 8 + MAC_BYTES + RECORD.size] = _mac(self.token, DONE, self.who, index, body) + body
+        self.buf[at + 8:at + 8 + MAC_BYTES + RECORD.size] = self._mac(DONE, index, body) + body
         self.words[at // 8] = i + 1         # the commit word, last
         self.written = i + 1
         self.log[i] = (task_id, nbytes, skipped, seconds)
@@ -114,34 +125,40 @@ class RingReader(_Ring):
     def __init__(self, segment, token: bytes, rank: int, pid: int):
         super().__init__(segment, token, rank, pid)
         self.next = 0
+        self.published = 0      # the read count last published to the writer
 
     def read(self) -> tuple[list[tuple], list[int]]:
         """(records, bad): the (task_id, nbytes, skipped, seconds) of each record written since the last call,
         and the indices of records that failed their MAC or were overwritten (to be asked for again)."""
         records, bad = [], []
         i = self.next
+        words, buf, done = self.words, self.buf, self._macs[DONE]
         while True:
             at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
-            if int(self.words[at // 8]) == i + 1:
-                raw = bytes(self.buf[at:at + 8 + MAC_BYTES + RECORD.size])
+            if words[at >> 3] == i + 1:
+                raw = bytes(buf[at:at + 8 + MAC_BYTES + RECORD.size])
                 body = raw[8 + MAC_BYTES:]
-                if raw[:8] == WORD.pack(i + 1) and hmac.compare_digest(
-                        raw[8:8 + MAC_BYTES], _mac(self.token, DONE, self.who, raw[:8], body)):
+                digest = done.copy()
+                digest.update(raw[:8])
+                digest.update(body)
+                if WORD.unpack_from(raw)[0] == i + 1 and hmac.compare_digest(raw[8:8 + MAC_BYTES], digest.digest()):
                     records.append(RECORD.unpack(body))
                 else:
                     bad.append(i)
                 i += 1
                 continue
-            if int(self.words[0]) <= i:
+            if words[0] <= i:
                 break
             written = self._get_count(0, WRITTEN)
             if written is None or written <= i:
                 break
-            if int(self.words[at // 8]) == i + 1:
+            if words[at >> 3] == i + 1:
                 continue        # committed since its word was read (the count is published after the record)
             bad.append(i)       # the writer says, under the token, that record i was written: it was destroyed
             i += 1
         if i != self.next:
             self.next = i
-            self._put_count(COUNT_BYTES, READ, i)
+            if i - self.published >= PUBLISH_EVERY:     # a MAC per record read would cost more than the rest
+                self.published = i
+                self._put_count(COUNT_BYTES, READ, i)
         return records, bad

@@ -6,6 +6,7 @@ into an error reply; a malformed message never kills a process.
 from __future__ import annotations
 
 import json
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -88,6 +89,28 @@ def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarra
     header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
                     group=group, ring=ring, fence=[list(f) for f in fence])
     return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
+
+
+_KIND_JSON = {kind: json.dumps(kind) for kind in TASK_KINDS}
+_SMALL_HEADER = ',"kind":%s,"dtype":"%s","count":%d,"layerwise":%s,"group":"kv","ring":0,"fence":%s}'
+_SMALL_CACHED = 64          # tasks of up to this many ids: their header's tail and id layout are kept
+_small_forms: dict = {}     # (kind, wide, count, layerwise) -> (header after the task id, id layout)
+
+
+def encode_small_task(task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wide: bool, layerwise: bool = False,
+                      fence=()) -> list[bytes]:
+    """encode_task's message, byte for byte, for a KV swap whose ids are Python ints its caller has checked (in
+    range of the wire dtype: int64 if wide, else int32), built without NumPy or the JSON encoder."""
+    n = len(gpu_ids)
+    form = None if fence else _small_forms.get((kind, wide, n, layerwise))
+    if form is None:
+        fences = json.dumps([list(f) for f in fence], separators=(",", ":")) if fence else "[]"
+        form = ((_SMALL_HEADER % (_KIND_JSON[kind], "int64" if wide else "int32", n, "true" if layerwise else "false",
+                                  fences)).encode(), struct.Struct(("<%dq" if wide else "<%di") % n))
+        if not fence and n <= _SMALL_CACHED:
+            _small_forms[kind, wide, n, layerwise] = form
+    tail, layout = form
+    return [b'{"type":"task","task_id":%d' % task_id + tail, layout.pack(*gpu_ids), layout.pack(*cpu_ids)]
 
 
 def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:

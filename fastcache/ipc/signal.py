@@ -112,6 +112,31 @@ SIGNALS = {
 }
 
 
+class ReadyView:
+    """What an engine reads before every task, as byte views of the signals compared in one step each:
+    kv_cache_status NORMAL and the first tp ranks' cache_ready, swap_space_ready and (with weights) both
+    weights_ready columns all 1. `all_set()` True means all of that holds now; False only means "look closer"
+    (a value other than 0 or 1 is not judged here). Made for one view of the signals: a resize needs a new one.
+    It holds the segments' mappings until it is dropped."""
+
+    def __init__(self, signals: "DeploymentSignals", tp: int, weights: bool):
+        self.source, self.tp, self.weights = signals.cache_ready, tp, weights
+        self._status = memoryview(signals.kv_cache_status).cast("B")
+        self._normal = np.array([NORMAL], np.int32).tobytes()
+        ready = [signals.cache_ready[:tp], signals.swap_space_ready[:tp]]
+        if weights:
+            ready.append(signals.weights_ready[:tp])
+        self._ready = [(memoryview(a).cast("B"), np.ones(a.shape, a.dtype).tobytes()) for a in ready]
+
+    def all_set(self) -> bool:
+        if self._status != self._normal:
+            return False
+        for view, ones in self._ready:
+            if view != ones:
+                return False
+        return True
+
+
 class DeploymentSignals:
     """All signals of one deployment, created by the engine and attached by workers and transfer managers."""
 
