@@ -49,6 +49,8 @@ SCHEMAS = {
     "error": {"error": str},
     # messages numbered first..last never reached this rank: another process took them off its pipe
     "lost": {"rank": int, "first": int, "last": int},
+    # task ring records first..last failed their MAC or were destroyed (ipc/task_ring.py): their tasks are lost
+    "ring_bad": {"rank": int, "first": int, "last": int},
     # a reshard step (docs/design.md §9): body is the step's JSON (engine/resharder.py), frames its block maps
     "reshard": {"step": str, "body": str},
 }
@@ -80,14 +82,23 @@ def encode(type_: str, **fields) -> list[bytes]:
     return [json.dumps({"type": type_, **fields}, separators=(",", ":")).encode()]
 
 
+class TaskFrames(list):
+    """A task message's frames, with the arguments they were made of (`task`): a transfer manager's task ring
+    can carry the task as a record instead (ipc/task_ring.py)."""
+    task: tuple = ()
+
+
 def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray,
-                layerwise: bool = False, group: str = KV, ring: int = 0, fence=()) -> list[bytes]:
+                layerwise: bool = False, group: str = KV, ring: int = 0, fence=()) -> TaskFrames:
     """fence: Fences (one per rank at most) the task waits for on those ranks."""
     dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
     wire = ID_DTYPES[dtype]
     header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
                     group=group, ring=ring, fence=[list(f) for f in fence])
-    return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
+    frames = TaskFrames(header + [np.ascontiguousarray(gpu_ids, wire).tobytes(),
+                                  np.ascontiguousarray(cpu_ids, wire).tobytes()])
+    frames.task = (task_id, kind, gpu_ids, cpu_ids, layerwise, group, ring, fence)
+    return frames
 
 
 def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
