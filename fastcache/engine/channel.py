@@ -86,7 +86,6 @@ class TaskChannel:
         self.doorbell = None                        # the eventfd every transfer manager rings after a record
         self._task_rings: dict[int, TaskRingWriter] = {}    # rank -> its process's task ring (open_pipe), if on
         self._pipe_seq: dict[int, int] = {}         # rank -> number of the last message sent on its task pipe
-        self._ring_bad: set = set()                 # ranks that reported task ring records forged or destroyed
         self._io_stop = threading.Event()
 
     # -- start and close ---------------------------------------------------------------------------
@@ -279,16 +278,16 @@ class TaskChannel:
     def _lost_messages(self, rank, first, last):
         with self._submit_lock:
             pending = self._unreceived.get(rank, {})
-            lost = [pending.pop(seq)[0] for seq in range(first, last + 1) if seq in pending]
-        if rank in self._ring_bad:      # the rank found records of its task ring forged or destroyed
-            self._ring_bad.discard(rank)
-            why = f"another process wrote over the task in rank {rank}'s task ring (it never arrived)"
-        else:
+            lost = [(seq, pending.pop(seq)[0]) for seq in range(first, last + 1) if seq in pending]
+            ring = self._task_rings.get(rank)
+            in_ring = ring.holds(first, last) if ring is not None else set()
+        if len(in_ring) < len(lost):
             self._warn_once(("lost", rank), f"rank {rank}: messages {first}..{last} never reached its transfer "
                                             f"manager: another process is reading its task pipe")
-            why = "another process took the task off its task pipe (it never arrived)"
-        for handle in lost:
-            self._finish(handle, rank, why)
+        for seq, handle in lost:
+            self._finish(handle, rank, f"another process wrote over the task in rank {rank}'s task ring (it never "
+                                       f"arrived)" if seq in in_ring else
+                                       "another process took the task off its task pipe (it never arrived)")
 
     def _serve(self):
         poller = zmq.Poller()
@@ -532,7 +531,6 @@ class TaskChannel:
                     self._copy_seconds[rank] = (header.get("copy_seconds", 0.0), header.get("weights_seconds", 0.0))
                     self._phase_cond.notify_all()
         elif kind == "ring_bad":
-            self._ring_bad.add(rank)
             self._warn_once(("task ring", rank), f"rank {rank}: records {header['first']}..{header['last']} of its "
                                                  f"task ring failed authentication or were destroyed (another "
                                                  f"process wrote to it); their tasks fail on rank {rank}")

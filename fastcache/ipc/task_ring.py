@@ -139,6 +139,7 @@ class TaskRingWriter(_Ring):
         self.bell = bell
         self.written = self.read = self.published = 0
         self.last_seq = 0
+        self.seqs = [0] * SLOTS     # the number of each slot's last record
 
     @classmethod
     def create(cls, suffix: str, token: bytes, rank: int, incarnation: int) -> "TaskRingWriter":
@@ -169,6 +170,7 @@ class TaskRingWriter(_Ring):
         buf[at + 8:at + 8 + MAC_BYTES] = digest.digest()
         self.words[at >> 3] = i + 1         # the commit word, last
         self.written, self.last_seq = i + 1, seq
+        self.seqs[i % SLOTS] = seq
         os.eventfd_write(self.bell, 1)
         return True
 
@@ -177,6 +179,10 @@ class TaskRingWriter(_Ring):
         if read is not None and self.read <= WORD.unpack(read)[0] <= i:
             self.read = WORD.unpack(read)[0]
         return i - self.read < SLOTS
+
+    def holds(self, first: int, last: int) -> set:
+        """Which of the numbers first..last went as records (of the last SLOTS)."""
+        return {seq for seq in self.seqs if first <= seq <= last}
 
     def publish(self):
         """Say, under the token, how many records were written and the number of the last (the engine's I/O
