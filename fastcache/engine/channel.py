@@ -355,8 +355,12 @@ class TaskChannel:
                 if why is not None:
                     self._finish(handle, rank, why, lost=True)
                     continue
-                if record is not None and self._ring_send(rank, record, handle, received):
-                    continue
+                if record is not None and rank in self._task_rings:
+                    if self._ranks.check_exit(rank):    # a ring takes records for a dead process, unlike a pipe
+                        self._finish(handle, rank, self._ranks.why_failed(rank), lost=True)
+                        continue
+                    if self._ring_send(rank, record, handle, received):
+                        continue
                 if not self.deliver(rank, push, message, command=handle is None, handle=handle):
                     self._ranks.check_exit(rank)
                     self._finish(handle, rank, self._ranks.why_failed(rank) or "transfer manager not connected",
