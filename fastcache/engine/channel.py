@@ -9,6 +9,11 @@ thread polls beside the reply socket. It reads the rings on every wake-up (a los
 before a reply is taken before that reply (a task's done before its rank's phase report). Records the
 rings show bad (another process wrote to the segment) are asked for again over the rank's pipe (`resend`).
 
+A small swap task goes to each rank through its process's task ring instead (ipc/task_ring.py: a record in
+shared memory and that process's doorbell, written by the submitting thread), numbered with the pipe's
+messages; what does not fit, and whatever comes while the ring is full or the rank has not read its pipe's
+messages yet, goes by pipe. The I/O thread publishes the rings' signed counts on its 100 ms tick.
+
 TaskChannel is a part SwapBackend owns, the one owner of the pipes and what travels on them: the zmq context,
 the reply socket and each rank's task socket, the submit lock, the numbers sent and the tasks not yet received,
 the handles in flight, the ranks' phase reports and the phase command being watched, and the I/O thread. The
