@@ -97,7 +97,6 @@ def test_a_full_ring_refuses_until_the_reader_says_under_the_token_that_it_read(
 
 def test_a_forged_record_never_passes_and_is_named_bad_once_the_writer_s_count_says_it_was_written(ring):
     writer, reader, raw = ring
-    rng = np.random.default_rng(63)
     for i in range(3):
         assert writer.put(i + 1, inline(i, protocol.SWAP_TO_CPU, np.array([i]), np.array([i])))
     at = HEAD_BYTES + RECORD_BYTES                          # record 1: its CPU id 1 made 7, its MAC kept

@@ -210,5 +210,5 @@ def test_without_the_ring_every_task_goes_by_pipe(monkeypatch):
     rng = np.random.default_rng(75)
     with deployment(small_spec(), tp=2) as (backend, workers):
         assert backend._channel._task_rings == {}
-        assert not any(f".task_rank" in name for name in os.listdir("/dev/shm") if backend.suffix in name)
+        assert not any(".task_rank" in name for name in os.listdir("/dev/shm") if backend.suffix in name)
         round_trip(backend, workers, rng)
