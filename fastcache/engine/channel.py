@@ -361,7 +361,9 @@ class TaskChannel:
                     self._finish(handle, rank, why, lost=True)
                     continue
                 if record is not None and rank in self._task_rings:
-                    if self._ranks.check_exit(rank):    # a ring takes records for a dead process, unlike a pipe
+                    # a ring takes records for a dead process, unlike a pipe: while the process has not read
+                    # what was sent before, look at it (a waitpid) before writing one more
+                    if received[rank] < self._sent_seq[rank] and self._ranks.check_exit(rank):
                         self._finish(handle, rank, self._ranks.why_failed(rank), lost=True)
                         continue
                     if self._ring_send(rank, record, handle, received):
