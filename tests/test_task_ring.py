@@ -150,3 +150,23 @@ def test_a_record_of_another_rank_or_an_earlier_process_does_not_pass():
             right.close()
     finally:
         writer.close()
+
+
+def test_the_usual_task_header_is_json_s_own_bytes():
+    """encode_task formats the usual header directly: byte for byte what json.dumps gives, every kind, group,
+    dtype and flag, random ids and numbers; a fenced task (json.dumps) is the control that the oracle sees
+    a difference in bytes."""
+    rng = np.random.default_rng(64)
+    for n in range(200):
+        count = int(rng.integers(1, 40))
+        dtype = (np.int32, np.int64)[n % 2]
+        gpu, cpu = rng.integers(0, 1 << 20, count).astype(dtype), rng.integers(0, 1 << 20, count).astype(dtype)
+        task_id, kind = int(rng.integers(1 << 62)), protocol.TASK_KINDS[n % 2]
+        layerwise, group, ring = bool(n % 3), protocol.GROUPS[n % 2], int(rng.integers(3))
+        frames = protocol.encode_task(task_id, kind, gpu, cpu, layerwise, group, ring)
+        want = protocol.encode("task", task_id=task_id, kind=kind, dtype=np.dtype(dtype).name, count=count,
+                               layerwise=layerwise, group=group, ring=ring, fence=[])
+        assert frames[0] == want[0]
+    fenced = protocol.encode_task(1, protocol.SWAP_TO_CPU, gpu, cpu, fence=[Fence(0, 2, 3)])
+    assert fenced[0] != protocol.encode_task(1, protocol.SWAP_TO_CPU, gpu, cpu)[0]
+    assert b'"fence":[[0,2,3]]' in fenced[0]

@@ -82,6 +82,10 @@ def encode(type_: str, **fields) -> list[bytes]:
     return [json.dumps({"type": type_, **fields}, separators=(",", ":")).encode()]
 
 
+TASK_HEADER = (b'{"type":"task","task_id":%d,"kind":"%s","dtype":"%s","count":%d,"layerwise":%s,"group":"%s",'
+               b'"ring":%d,"fence":[]}')
+
+
 class TaskFrames(list):
     """A task message's frames, with the arguments they were made of (`task`): a transfer manager's task ring
     can carry the task as a record instead (ipc/task_ring.py)."""
@@ -93,8 +97,13 @@ def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarra
     """fence: Fences (one per rank at most) the task waits for on those ranks."""
     dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
     wire = ID_DTYPES[dtype]
-    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
-                    group=group, ring=ring, fence=[list(f) for f in fence])
+    if not fence and kind in TASK_KINDS and group in GROUPS and type(task_id) is int and type(ring) is int and \
+            type(layerwise) is bool:    # the usual task: json.dumps's bytes, formatted directly (a few µs less)
+        header = [TASK_HEADER % (task_id, kind.encode(), dtype.encode(), len(gpu_ids),
+                                 b"true" if layerwise else b"false", group.encode(), ring)]
+    else:
+        header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
+                        group=group, ring=ring, fence=[list(f) for f in fence])
     frames = TaskFrames(header + [np.ascontiguousarray(gpu_ids, wire).tobytes(),
                                   np.ascontiguousarray(cpu_ids, wire).tobytes()])
     frames.task = (task_id, kind, gpu_ids, cpu_ids, layerwise, group, ring, fence)
