@@ -215,6 +215,7 @@ RULES = {
     "phase_timeout": _SECONDS,
     "clear_swap_space": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
     "reaper": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
+    "task_ring": (lambda v: isinstance(v, bool), "must be 1 or 0 (true/false, yes/no, on/off)"),
     "copy_method": (lambda v: v in COPY_METHODS, f"must be one of {', '.join(COPY_METHODS)}"),
     "reshard_copy": (lambda v: v in RESHARD_COPY_METHODS, f"must be one of {', '.join(RESHARD_COPY_METHODS)}"),
     "inline_bytes": (lambda v: _whole(v) and v >= 0, "must be a whole number of bytes >= 0"),
@@ -263,6 +264,7 @@ class Settings:
     phase_timeout: float = 60.0         # FASTCACHE_PHASE_TIMEOUT: clear/restore barrier timeout
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
     reaper: bool = True                 # FASTCACHE_REAPER=0: no reaper process (what a killed engine left stays)
+    task_ring: bool = True              # FASTCACHE_TASK_RING=0: every task over the task pipes, none in shared memory
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
     reshard_copy: str = "gather"        # FASTCACHE_RESHARD_COPY (cuda): gather | 2d, a reshard's GPU copies
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop

@@ -24,6 +24,7 @@ TIMEOUT = 2.0
 
 @pytest.fixture
 def short_timeout(monkeypatch):
+    monkeypatch.setenv("FASTCACHE_TASK_RING", "0")      # every task over the task pipes, where the thieves read
     monkeypatch.setenv("FASTCACHE_TRANSFER_TIMEOUT", str(TIMEOUT))
     monkeypatch.setenv("FASTCACHE_HEARTBEAT_INTERVAL", "0.2")
 

@@ -19,6 +19,7 @@ PHASE_TIMEOUT = 20.0
 
 @pytest.fixture
 def short_timeout(monkeypatch):
+    monkeypatch.setenv("FASTCACHE_TASK_RING", "0")      # every task over the task pipes, where the thief reads
     monkeypatch.setenv("FASTCACHE_TRANSFER_TIMEOUT", "2")
     monkeypatch.setenv("FASTCACHE_HEARTBEAT_INTERVAL", "0.2")
 

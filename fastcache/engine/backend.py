@@ -139,8 +139,7 @@ class SwapBackend:
 
     def _launch_args(self) -> list[str]:
         """The arguments every transfer manager of this deployment is started with (engine/ranks.py)."""
-        return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device,
-                "--doorbell_fd", str(self._channel.doorbell)] + \
+        return ["--ipc_suffix", self.suffix, "--socket_dir", self.socket_dir, "--device", self.device] + \
             (["--store", self.store_url.url] if self.store_url else [])
 
     def _check_fits(self):

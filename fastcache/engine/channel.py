@@ -9,6 +9,11 @@ thread polls beside the reply socket. It reads the rings on every wake-up (a los
 before a reply is taken before that reply (a task's done before its rank's phase report). Records the
 rings show bad (another process wrote to the segment) are asked for again over the rank's pipe (`resend`).
 
+A small swap task goes to each rank through its process's task ring instead (ipc/task_ring.py: a record in
+shared memory and that process's doorbell, written by the submitting thread), numbered with the pipe's
+messages; what does not fit, and whatever comes while the ring is full or the rank has not read its pipe's
+messages yet, goes by pipe. The I/O thread publishes the rings' signed counts on its 100 ms tick.
+
 TaskChannel is a part SwapBackend owns, the one owner of the pipes and what travels on them: the zmq context,
 the reply socket and each rank's task socket, the submit lock, the numbers sent and the tasks not yet received,
 the handles in flight, the ranks' phase reports and the phase command being watched, and the I/O thread. The
@@ -37,6 +42,7 @@ from ..ipc import protocol
 from ..ipc.barrier import transfer_party
 from ..ipc.done_ring import RING_BYTES, RingReader, ring_name
 from ..ipc.shm import SharedSegment
+from ..ipc.task_ring import TaskRingWriter, inline
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, bind_replies, bind_tasks, identity_rank, signed, verified
 
 log = logging.getLogger("fastcache.engine")
@@ -83,6 +89,8 @@ class TaskChannel:
         self._rings: dict[int, RingReader] = {}     # rank -> its process's completion ring (made by open_pipe)
         self._rings_lock = threading.Lock()         # open_pipe and the retiring calls against the I/O thread's reads
         self.doorbell = None                        # the eventfd every transfer manager rings after a record
+        self._task_rings: dict[int, TaskRingWriter] = {}    # rank -> its process's task ring (open_pipe), if on
+        self._pipe_seq: dict[int, int] = {}         # rank -> number of the last message sent on its task pipe
         self._io_stop = threading.Event()
 
     # -- start and close ---------------------------------------------------------------------------
@@ -117,26 +125,41 @@ class TaskChannel:
             rings, self._rings = list(self._rings.values()), {}
         for ring in rings:
             ring.close()
+        with self._submit_lock:
+            task_rings, self._task_rings = list(self._task_rings.values()), {}
+        for ring in task_rings:
+            ring.close()
         if self.doorbell is not None:
             os.close(self.doorbell)
             self.doorbell = None
 
     # -- the task pipes ----------------------------------------------------------------------------
-    def open_pipe(self, rank, incarnation) -> tuple:
-        """A new process for rank (the rank supervisor's spawn): its own task socket, bound here, and its own
-        completion ring; from now on nothing sent for rank can reach an earlier process's pipe, nothing an
-        earlier process writes is read, and the numbers start again from 1. Returns the descriptors the
-        process inherits (the doorbell)."""
+    def open_pipe(self, rank, incarnation) -> dict:
+        """A new process for rank (the rank supervisor's spawn): its own task socket, bound here, its own
+        completion ring and (unless FASTCACHE_TASK_RING=0) its own task ring; from now on nothing sent for rank
+        can reach an earlier process's pipe or ring, nothing an earlier process writes is read, and the numbers
+        start again from 1. Returns the descriptors the process inherits, by the option that names each (the
+        doorbells)."""
         segment = SharedSegment.create(ring_name(self._suffix, rank, incarnation), RING_BYTES, self._suffix)
         self._replace_ring(rank, RingReader(segment, self._token, rank, incarnation))
+        task_ring = TaskRingWriter.create(self._suffix, self._token, rank, incarnation) \
+            if getattr(self._settings, "task_ring", True) else None
         with self._submit_lock:
             old, self._task_pushes[rank] = self._task_pushes[rank], bind_tasks(
                 self._context, self._socket_dir, rank, incarnation)
             if old is not None:
                 old.close(0)
-            self._sent_seq[rank], self._unreceived[rank] = 0, {}
+            old_ring = self._task_rings.pop(rank, None)
+            if task_ring is not None:
+                self._task_rings[rank] = task_ring
+            self._sent_seq[rank], self._pipe_seq[rank], self._unreceived[rank] = 0, 0, {}
             self._signals().task_received[rank] = 0
-        return (self.doorbell,)
+        if old_ring is not None:
+            old_ring.close()
+        inherited = {"--doorbell_fd": self.doorbell}
+        if task_ring is not None:
+            inherited["--task_doorbell_fd"] = task_ring.bell
+        return inherited
 
     def _replace_ring(self, rank, ring):
         with self._rings_lock:
@@ -156,17 +179,23 @@ class TaskChannel:
         return rank < len(pushes) and pushes[rank] is not None
 
     def drop_pipe(self, rank):
-        """A retired rank's task pipe and completion ring go."""
+        """A retired rank's task pipe, task ring and completion ring go."""
         with self._submit_lock:
             push, self._task_pushes[rank] = self._task_pushes[rank], None
             if push is not None:
                 push.close(0)
+            task_ring = self._task_rings.pop(rank, None)
+        if task_ring is not None:
+            task_ring.close()
         self._replace_ring(rank, None)
 
     def keep_pipes(self, tp):
         """The pipes of ranks below tp only (the others were dropped)."""
         with self._submit_lock:
             self._task_pushes = self._task_pushes[:tp]
+            task_rings = [self._task_rings.pop(r) for r in list(self._task_rings) if r >= tp]
+        for ring in task_rings:
+            ring.close()
         for rank in [r for r in list(self._rings) if r >= tp]:
             self._replace_ring(rank, None)
 
@@ -234,6 +263,8 @@ class TaskChannel:
         late = []
         signals = self._signals()
         with self._submit_lock:
+            for ring in self._task_rings.values():      # what a reader needs to tell a destroyed record
+                ring.publish()
             for rank, pending in self._unreceived.items():
                 if rank >= len(signals.task_received):
                     continue
@@ -252,11 +283,16 @@ class TaskChannel:
     def _lost_messages(self, rank, first, last):
         with self._submit_lock:
             pending = self._unreceived.get(rank, {})
-            lost = [pending.pop(seq)[0] for seq in range(first, last + 1) if seq in pending]
-        self._warn_once(("lost", rank), f"rank {rank}: messages {first}..{last} never reached its transfer manager: "
-                                        f"another process is reading its task pipe")
-        for handle in lost:
-            self._finish(handle, rank, "another process took the task off its task pipe (it never arrived)")
+            lost = [(seq, pending.pop(seq)[0]) for seq in range(first, last + 1) if seq in pending]
+            ring = self._task_rings.get(rank)
+            in_ring = ring.holds(first, last) if ring is not None else set()
+        if len(in_ring) < len(lost):
+            self._warn_once(("lost", rank), f"rank {rank}: messages {first}..{last} never reached its transfer "
+                                            f"manager: another process is reading its task pipe")
+        for seq, handle in lost:
+            self._finish(handle, rank, f"another process wrote over the task in rank {rank}'s task ring (it never "
+                                       f"arrived)" if seq in in_ring else
+                                       "another process took the task off its task pipe (it never arrived)")
 
     def _serve(self):
         poller = zmq.Poller()
@@ -318,8 +354,13 @@ class TaskChannel:
         """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
         the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
         handle may be done and its blocks reused, and a new process must not copy them late. (The check is
-        sound under the lock: restart_rank fails the old process's tasks before open_pipe takes the lock.)"""
+        sound under the lock: restart_rank fails the old process's tasks before open_pipe takes the lock.)
+        A task that fits a record goes through the rank's task ring where it can (_ring_send)."""
+        record = inline(*message.task) if handle is not None and self._task_rings and \
+            getattr(message, "task", None) else None
         with self._submit_lock:
+            if record is not None:
+                received = self._signals().task_received
             for rank, push in enumerate(self._task_pushes):
                 if push is None:        # a rank a reshard is adding or retiring
                     continue
@@ -329,10 +370,33 @@ class TaskChannel:
                 if why is not None:
                     self._finish(handle, rank, why, lost=True)
                     continue
+                if record is not None and rank in self._task_rings:
+                    # a ring takes records for a dead process, unlike a pipe: while the process has not read
+                    # what was sent before, look at it (a waitpid) before writing one more
+                    if received[rank] < self._sent_seq[rank] and self._ranks.check_exit(rank):
+                        self._finish(handle, rank, self._ranks.why_failed(rank), lost=True)
+                        continue
+                    if self._ring_send(rank, record, handle, received):
+                        continue
                 if not self.deliver(rank, push, message, command=handle is None, handle=handle):
                     self._ranks.check_exit(rank)
                     self._finish(handle, rank, self._ranks.why_failed(rank) or "transfer manager not connected",
                                  lost=True)
+
+    def _ring_send(self, rank, record, handle, received) -> bool:
+        """Write the task in rank's task ring, numbered next on the rank's pipe (under _submit_lock). Only once
+        the transfer manager has read every message sent on its pipe (its task_received): so it never sees a
+        record before a message numbered below it is there to read, and a number missing below a record it
+        reads is lost, not late. False (the task goes by pipe) without a ring, before that, or when it is full."""
+        ring = self._task_rings.get(rank)
+        if ring is None or received[rank] < self._pipe_seq[rank]:
+            return False
+        seq = self._sent_seq[rank] + 1
+        if not ring.put(seq, record):
+            return False
+        self._sent_seq[rank] = seq
+        self._unreceived[rank][seq] = (handle, time.monotonic())
+        return True
 
     def send_phase_command(self, phase: str, message):
         """Send a phase command to every rank (as send_all) and watch that each reads it."""
@@ -432,7 +496,8 @@ class TaskChannel:
             return False
 
     def _sent(self, rank, seq, handle):
-        self._sent_seq[rank] = seq
+        """Message seq went on rank's task pipe."""
+        self._sent_seq[rank] = self._pipe_seq[rank] = seq
         if handle is not None:          # until its transfer manager has read it (_watch_unreceived)
             self._unreceived.setdefault(rank, {})[seq] = (handle, time.monotonic())
 
@@ -486,6 +551,10 @@ class TaskChannel:
                     acks[rank] = header.get("error")
                     self._copy_seconds[rank] = (header.get("copy_seconds", 0.0), header.get("weights_seconds", 0.0))
                     self._phase_cond.notify_all()
+        elif kind == "ring_bad":
+            self._warn_once(("task ring", rank), f"rank {rank}: records {header['first']}..{header['last']} of its "
+                                                 f"task ring failed authentication or were destroyed (another "
+                                                 f"process wrote to it); their tasks fail on rank {rank}")
         elif kind == "lost":
             self._lost_messages(rank, header["first"], header["last"])
             self._phase_command_lost(rank, header["first"], header["last"])

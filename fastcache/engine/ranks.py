@@ -38,11 +38,11 @@ class RankSupervisor:
     command-line arguments every transfer manager of the deployment shares (suffix, socket directory, device,
     store); signals() -> the DeploymentSignals; open_pipe(rank, incarnation) binds a new process's task pipe
     (nothing sent for rank reaches an earlier process's pipe from then on) and returns the descriptors the
-    process inherits (its doorbell); fail_tasks(rank, why) fails
+    process inherits, by the option that hands each over (its doorbells); fail_tasks(rank, why) fails
     every task the rank still owes; wake() wakes whoever waits on the ranks (a phase)."""
 
     def __init__(self, tp_size: int, settings, token: bytes, geometry: Callable[[], tuple],
-                 launch_args: Callable[[], list], signals: Callable, open_pipe: Callable[[int, int], None],
+                 launch_args: Callable[[], list], signals: Callable, open_pipe: Callable[[int, int], dict | None],
                  fail_tasks: Callable[[int, str], None], wake: Callable[[], None]):
         self._settings, self._token = settings, token
         self._geometry, self._launch_args, self._signals = geometry, launch_args, signals
@@ -141,18 +141,19 @@ class RankSupervisor:
         with self._lock:
             incarnation = self._incarnations[rank]
             self._incarnations[rank] += 1
-        inherited = self._open_pipe(rank, incarnation)
+        inherited = self._open_pipe(rank, incarnation) or {}     # option -> descriptor (the doorbells)
         cmd = [sys.executable, "-m", "fastcache.transfer", "--rank", str(rank), "--mp_num", str(tp),
                "--device_id", str(device_id), "--incarnation", str(incarnation), "--engine_pid", str(os.getpid()),
                "--spec", spec.to_json()] + list(self._launch_args()) + \
-            (["--weights", weights.to_json()] if weights is not None else [])
+            (["--weights", weights.to_json()] if weights is not None else []) + \
+            [arg for option, fd in inherited.items() for arg in (option, str(fd))]
         self._registered[rank] = self._attached[rank] = False
         signals = self._signals()
         signals.transfer_heartbeat[rank] = 0
         if rank < len(signals.weights_ready):
             signals.weights_ready[rank, 1] = 0      # the new process has not attached the weights yet
         proc = self._procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE,
-                                                     **({"pass_fds": inherited} if inherited else {}))
+                                                     **({"pass_fds": tuple(inherited.values())} if inherited else {}))
         try:
             proc.stdin.write(self._token.hex().encode() + b"\n")     # the token: not in argv or environ
             proc.stdin.close()

@@ -50,6 +50,8 @@ SCHEMAS = {
     "error": {"error": str},
     # messages numbered first..last never reached this rank: another process took them off its pipe
     "lost": {"rank": int, "first": int, "last": int},
+    # task ring records first..last failed their MAC or were destroyed (ipc/task_ring.py): their tasks are lost
+    "ring_bad": {"rank": int, "first": int, "last": int},
     # a reshard step (docs/design.md §9): body is the step's JSON (engine/resharder.py), frames its block maps
     "reshard": {"step": str, "body": str},
 }
@@ -81,14 +83,32 @@ def encode(type_: str, **fields) -> list[bytes]:
     return [json.dumps({"type": type_, **fields}, separators=(",", ":")).encode()]
 
 
+TASK_HEADER = (b'{"type":"task","task_id":%d,"kind":"%s","dtype":"%s","count":%d,"layerwise":%s,"group":"%s",'
+               b'"ring":%d,"fence":[]}')
+
+
+class TaskFrames(list):
+    """A task message's frames, with the arguments they were made of (`task`): a transfer manager's task ring
+    can carry the task as a record instead (ipc/task_ring.py)."""
+    task: tuple = ()
+
+
 def encode_task(task_id: int, kind: str, gpu_ids: np.ndarray, cpu_ids: np.ndarray,
-                layerwise: bool = False, group: str = KV, ring: int = 0, fence=()) -> list[bytes]:
+                layerwise: bool = False, group: str = KV, ring: int = 0, fence=()) -> TaskFrames:
     """fence: Fences (one per rank at most) the task waits for on those ranks."""
     dtype = "int32" if gpu_ids.dtype == np.int32 and cpu_ids.dtype == np.int32 else "int64"
     wire = ID_DTYPES[dtype]
-    header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
-                    group=group, ring=ring, fence=[list(f) for f in fence])
-    return header + [np.ascontiguousarray(gpu_ids, wire).tobytes(), np.ascontiguousarray(cpu_ids, wire).tobytes()]
+    if not fence and kind in TASK_KINDS and group in GROUPS and type(task_id) is int and type(ring) is int and \
+            type(layerwise) is bool:    # the usual task: json.dumps's bytes, formatted directly (a few µs less)
+        header = [TASK_HEADER % (task_id, kind.encode(), dtype.encode(), len(gpu_ids),
+                                 b"true" if layerwise else b"false", group.encode(), ring)]
+    else:
+        header = encode("task", task_id=task_id, kind=kind, dtype=dtype, count=len(gpu_ids), layerwise=layerwise,
+                        group=group, ring=ring, fence=[list(f) for f in fence])
+    frames = TaskFrames(header + [np.ascontiguousarray(gpu_ids, wire).tobytes(),
+                                  np.ascontiguousarray(cpu_ids, wire).tobytes()])
+    frames.task = (task_id, kind, gpu_ids, cpu_ids, layerwise, group, ring, fence)
+    return frames
 
 
 _KIND_JSON = {kind: json.dumps(kind) for kind in TASK_KINDS}
@@ -98,7 +118,7 @@ _small_forms: dict = {}     # (kind, wide, count, layerwise) -> (header after th
 
 
 def encode_small_task(task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wide: bool, layerwise: bool = False,
-                      fence=()) -> list[bytes]:
+                      fence=()) -> TaskFrames:
     """encode_task's message, byte for byte, for a KV swap whose ids are Python ints its caller has checked (in
     range of the wire dtype: int64 if wide, else int32), built without NumPy or the JSON encoder."""
     n = len(gpu_ids)
@@ -110,7 +130,10 @@ def encode_small_task(task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wid
         if not fence and n <= _SMALL_CACHED:
             _small_forms[kind, wide, n, layerwise] = form
     tail, layout = form
-    return [b'{"type":"task","task_id":%d' % task_id + tail, layout.pack(*gpu_ids), layout.pack(*cpu_ids)]
+    frames = TaskFrames((b'{"type":"task","task_id":%d' % task_id + tail, layout.pack(*gpu_ids),
+                         layout.pack(*cpu_ids)))
+    frames.task = (task_id, kind, gpu_ids, cpu_ids, layerwise, KV, 0, fence)
+    return frames
 
 
 def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:

@@ -36,6 +36,9 @@ def build_parser():
     p.add_argument("--engine_pid", type=int, required=True, help="exit when this process is gone")
     p.add_argument("--doorbell_fd", type=int, default=None,
                    help="the engine's eventfd (inherited), rung after each report in the completion ring")
+    p.add_argument("--task_doorbell_fd", type=int, default=None,
+                   help="this process's task-ring doorbell (an inherited eventfd): without it, every task comes "
+                        "over the task pipe")
     p.add_argument("--device", default="sim", choices=("sim", "cuda", "auto"))
     p.add_argument("--spec", help="CacheSpec as JSON (instead of the FastDeploy-style geometry below)")
     p.add_argument("--num_layers", type=int)
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
         return 2
     manager = TransferManager(spec, args.rank, args.mp_num, args.ipc_suffix, args.socket_dir, args.incarnation,
                               args.engine_pid, device=args.device, device_id=args.device_id, settings=settings, store=args.store,
-                              token=token, weights=weights, doorbell=args.doorbell_fd)
+                              token=token, weights=weights, doorbell=args.doorbell_fd,
+                              task_doorbell=args.task_doorbell_fd)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return manager.run()

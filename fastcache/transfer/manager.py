@@ -7,6 +7,12 @@ engine is gone. It sleeps in zmq's poll when idle.
 
 A task done is reported in the process's completion ring (ipc/done_ring.py), with the engine's doorbell rung
 after it; a failure, anything else, and a report the full ring cannot take go over the reply socket.
+
+Small swap tasks come through the process's task ring (ipc/task_ring.py), the rest and every command over the
+task pipe, in one numbering: on every wake-up (its doorbell, the pipe, or the bounded wait) it drains the pipe,
+then reads the ring, and takes what both hold in number order; a number missing below one it takes is lost
+(reported, as a message taken off the pipe), since the engine writes a record only once this process has
+read every message numbered below it, and a message is sent only after every record numbered below it.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, connect_client, signed, verified
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import EVENTS_LAYERS, RESHARDING, DeploymentSignals
+from ..ipc.task_ring import TaskRingReader
+from ..ipc.task_ring import ring_name as task_ring_name
 from ..ops import get_ops
 from ..weight_spec import WeightSpec
 from .fences import FenceWaits
@@ -46,7 +54,7 @@ class TransferManager:
     def __init__(self, spec: CacheSpec, rank: int, tp_size: int, suffix: str, socket_dir: str, incarnation: int,
                  engine_pid: int, device: str = "sim", device_id: int = 0, settings: Settings | None = None,
                  store: str | None = None, token: bytes = b"", weights: WeightSpec | None = None,
-                 doorbell: int | None = None):
+                 doorbell: int | None = None, task_doorbell: int | None = None):
         self.spec, self.rank, self.tp_size, self.suffix = spec, rank, tp_size, suffix
         self.engine_pid, self.device_id = engine_pid, device_id
         self.settings = settings or Settings.from_env()
@@ -66,6 +74,10 @@ class TransferManager:
         if doorbell is not None:
             self.ring = RingWriter(SharedSegment.attach(ring_name(suffix, rank, incarnation), suffix), token, rank,
                                    incarnation)
+        self.task_doorbell, self.task_ring = task_doorbell, None    # this process's task ring and its doorbell
+        if task_doorbell is not None:
+            self.task_ring = TaskRingReader(SharedSegment.attach(task_ring_name(suffix, rank, incarnation), suffix),
+                                            token, rank, incarnation)
         self.cache = self.swap = self.copier = None
         self.layer_events = None        # cuda: interprocess events per (task slot, layer), for workers' streams
         self.fences = FenceWaits(suffix, rank, device_id)       # cuda: swaps wait for the worker's fence events
@@ -99,15 +111,23 @@ class TransferManager:
         poller = zmq.Poller()
         poller.register(self.tasks, zmq.POLLIN)
         poller.register(self.done_pull, zmq.POLLIN)
+        if self.task_ring is not None:
+            poller.register(self.task_doorbell, zmq.POLLIN)
+        idle = 1000 if self.task_ring is None else RING_WAIT      # a lost doorbell waits for this at most
         self.heartbeat.start()
         while True:
             # poll briefly only while something is about to become ready; a cleared cache just sleeps
             waiting = self.phase in ("clearing", "restoring") or \
                 (self.phase == "running" and (self.cache is None or self.swap is None))
-            events = dict(poller.poll(5 if waiting else 1000))
+            events = dict(poller.poll(5 if waiting else idle))
             if self.done_pull in events:
                 self._drain_completions()
-            if self.tasks in events:
+            if self.task_ring is not None and self.task_doorbell in events:
+                try:
+                    os.eventfd_read(self.task_doorbell)
+                except BlockingIOError:
+                    pass
+            if self.tasks in events or self.task_ring is not None:     # the ring is read on every wake-up
                 if self._drain_messages() == "stop":
                     return 0
             self._advance()
@@ -241,61 +261,96 @@ class TransferManager:
 
     # -- messages --------------------------------------------------------------------------------
     def _drain_messages(self):
+        """Take what the task pipe and then the task ring hold, in number order (see the module docstring)."""
+        ring = self.task_ring
+        head = ring.head() if ring is not None else None       # before the pipe: see _lost_below
+        received = []
         while True:
             try:
                 frames = self.tasks.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return None
-            frames = self._authentic(frames)
-            if frames is None:
-                continue
-            try:
-                header, ids = protocol.decode(frames)
-            except protocol.ProtocolError as exc:
-                log.warning("rank %d: malformed message: %s", self.rank, exc)
-                self.send("error", error=str(exc)[:protocol.MAX_ERROR_CHARS])
-                continue
-            kind = header["type"]
-            if kind == "task":
-                self._on_task(header, ids)
-            elif kind == "clear":
-                self.phase, self.release_swap = "clearing", header["release_swap_space"]
-            elif kind == "restore":
-                self.phase, self.attach_error = "restoring", None     # a retried restore attaches afresh
-                self.restore_phase = "restore"
-            elif kind == "store_task":
-                self._on_store_task(header, ids)
-            elif kind == "reshard":
-                self.reshard.on_message(header, ids)
-            elif kind == "stop":
+                break
+            message = self._authentic(frames)
+            if message is not None:
+                received.append(message)
+                if ring is None and self._take(message) == "stop":
+                    return "stop"
+        if ring is None:
+            return None
+        records, bad, malformed = ring.read(head)
+        for first, last in runs(bad):
+            log.warning("rank %d: task ring records %d..%d failed authentication or were destroyed (another process "
+                        "wrote to the ring); their tasks are lost", self.rank, first, last)
+            self.send("ring_bad", rank=self.rank, first=first, last=last)
+        for error in malformed:
+            self.send("error", error=error[:protocol.MAX_ERROR_CHARS])
+        if records:
+            received = sorted(received + records, key=lambda message: message[0])
+        for message in received:
+            if self._take(message) == "stop":
                 return "stop"
-            elif kind == "ping":
-                pass            # numbered only: its number shows a gap before it (_authentic)
-            elif kind == "resend":
-                self._resend(header["first"], header["last"])
-            else:
-                self.send("error", error=f"unexpected message type {kind!r} for a transfer manager")
+        self._lost_below(head[1] + 1)
+        return None
+
+    def _take(self, message):
+        """Act on a message (seq, frames) or a ring record (seq, header, ids) in its turn."""
+        seq = message[0]
+        if seq < self.next_seq:
+            return None                     # replayed: a signed message is read once
+        self._lost_below(seq)
+        self.next_seq = seq + 1
+        self.signals.task_received[self.rank] = seq
+        if len(message) == 3:
+            return self._on_task(message[1], message[2])
+        try:
+            header, ids = protocol.decode(message[1])
+        except protocol.ProtocolError as exc:
+            log.warning("rank %d: malformed message: %s", self.rank, exc)
+            self.send("error", error=str(exc)[:protocol.MAX_ERROR_CHARS])
+            return None
+        return self._on_message(header, ids)
+
+    def _lost_below(self, seq):
+        """Messages from the next expected number to seq - 1 never arrived (another process took them off this
+        rank's pipe, or wrote over their records in its ring): the engine is told, and fails their tasks."""
+        if seq > self.next_seq:
+            log.warning("rank %d: messages %d..%d never arrived: another process is reading this rank's task "
+                        "pipe or writing to its task ring", self.rank, self.next_seq, seq - 1)
+            self.send("lost", rank=self.rank, first=self.next_seq, last=seq - 1)
+            self.next_seq = seq
+
+    def _on_message(self, header, ids):
+        """A message from the task pipe, decoded, in its turn."""
+        kind = header["type"]
+        if kind == "task":
+            self._on_task(header, ids)
+        elif kind == "clear":
+            self.phase, self.release_swap = "clearing", header["release_swap_space"]
+        elif kind == "restore":
+            self.phase, self.attach_error = "restoring", None     # a retried restore attaches afresh
+            self.restore_phase = "restore"
+        elif kind == "store_task":
+            self._on_store_task(header, ids)
+        elif kind == "reshard":
+            self.reshard.on_message(header, ids)
+        elif kind == "stop":
+            return "stop"
+        elif kind == "ping":
+            pass            # numbered only: its number shows a gap before it (_take)
+        elif kind == "resend":
+            self._resend(header["first"], header["last"])
+        else:
+            self.send("error", error=f"unexpected message type {kind!r} for a transfer manager")
 
     def _authentic(self, frames):
-        """The message's frames if the engine signed and numbered it, else None (dropped). A number past
-        the next expected one means another process took the messages between off this rank's pipe: the
-        engine is told, and fails their tasks."""
+        """(number, frames) of the message if the engine signed and numbered it, else None (dropped)."""
         body = verified(self.token, TO_RANK, frames)
         if body is None or len(body) < 2 or len(body[0]) != SEQ.size:
             self.unsigned_dropped += 1
             if self.unsigned_dropped == 1:
                 log.warning("rank %d: a message not signed by this deployment's engine was dropped", self.rank)
             return None
-        seq = SEQ.unpack(body[0])[0]
-        if seq < self.next_seq:
-            return None                     # replayed: a signed message is read once
-        if seq > self.next_seq:
-            log.warning("rank %d: messages %d..%d never arrived: another process is reading this rank's task "
-                        "pipe", self.rank, self.next_seq, seq - 1)
-            self.send("lost", rank=self.rank, first=self.next_seq, last=seq - 1)
-        self.next_seq = seq + 1
-        self.signals.task_received[self.rank] = seq
-        return body[1:]
+        return SEQ.unpack(body[0])[0], body[1:]
 
     def _on_task(self, header, ids):
         task_id = header["task_id"]
@@ -454,9 +509,24 @@ class TransferManager:
         self.context.term()
         if self.ring is not None:
             self.ring.close()
+        if self.task_ring is not None:
+            self.task_ring.close()
         self.barrier.close()
         self.signals.close()
 
+
+def runs(indices) -> list[tuple]:
+    """(first, last) of each run of consecutive indices."""
+    out = []
+    for i in indices:
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return [tuple(r) for r in out]
+
+
+RING_WAIT = 100       # ms: the longest a task in the ring waits for a wake-up whose doorbell was lost
 
 # one executor thread per direction, and one for the weight group: a stream waits for the forward, and must
 # not hold up the cache's swaps meanwhile
