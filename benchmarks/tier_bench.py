@@ -1,7 +1,7 @@
 """What the tiered cache costs on this machine, and how fast the sim device swaps at random ids.
 
     python benchmarks/tier_bench.py [--tp 2] [--samples 400] [--json out.json] [--device cuda [--device-id 0]]
-                                    [--policy lru,arc,probation,adaptive]
+                                    [--policy lru,arc,probation,adaptive,laps]
 
 - lookup: one TieredCache.lookup of a prompt whose blocks are all held (the engine's cost), best of 5
   loops of 2,000 calls.

@@ -14,7 +14,9 @@ Policies: `probation`, the default, which gives up first what was stored once an
 GPU cache that stores its evictions: blocks the GPU still holds), learning online how far to protect what was
 named again (see ProbationPolicy); `lru` (least recently used; a call's head ends most recent, so a chain goes
 from its tail); `arc` (vLLM's ARC: T1/T2 with ghost lists B1/B2 steering T1's target size); `adaptive`,
-probation's segments and learned room with lru's order over both segments past the room (see AdaptivePolicy).
+probation's segments and learned room with lru's order over both segments past the room (see AdaptivePolicy);
+`laps`, adaptive plus a second lap for protected keys named again while protected, as many as the returns of
+protected's victims say (see LapsPolicy).
 `probation` is at or above lru and arc at every capacity
 measured on the three traces and on held-out ones (docs/benchmarks.md, "Eviction policies"), at lru's cost
 within 6-15% in a real store call, and on vLLM's engine computes fewer prefill tokens than lru.
@@ -25,6 +27,9 @@ from collections import OrderedDict, deque
 from itertools import islice, repeat
 
 DEFAULT_POLICY = "probation"
+
+# where an evicted key left from, as its ghost remembers it
+FROM_PROTECTED, FROM_PROBATION, AFTER_LAP = 0, 1, 2
 
 
 def take_oldest(entries: OrderedDict, n: int, skip=None) -> list:
@@ -281,9 +286,9 @@ class ProbationPolicy:
             return
         if at < len(keys):
             key = keys[at]
-            from_probation = self._ghosts.get(key, self._old_ghosts.get(key))
-            if from_probation is not None:
-                room = self._room + (self._step if from_probation else -self._step)
+            origin = self._ghosts.get(key, self._old_ghosts.get(key))
+            if origin is not None:
+                room = self._room + (self._step if origin == FROM_PROBATION else -self._step)
                 self._room = min(max(room, 0.0), 0.9 * self.capacity)
 
     def stored(self, keys, new):
@@ -316,14 +321,19 @@ class ProbationPolicy:
         first = take_oldest(prot, min(n, over), skip)       # protected beyond its room goes first
         taken = take_oldest(prob, n - len(first), skip)
         rest = take_oldest(prot, n - len(first) - len(taken), skip)
-        ghosts = self._ghosts
-        if taken:
-            ghosts.update(zip(taken, repeat(True)))
-        if first or rest:
-            ghosts.update(zip(first + rest, repeat(False)))
-        if len(ghosts) >= self._generation:             # a new generation; the one before is forgotten
-            self._old_ghosts, self._ghosts = ghosts, {}
+        self._remember(taken, first + rest)
         return first + taken + rest
+
+    def _remember(self, from_probation, from_protected):
+        """the victims of one call as ghosts; a new generation once this one is full (the one before is
+        forgotten)"""
+        ghosts = self._ghosts
+        if from_probation:
+            ghosts.update(zip(from_probation, repeat(FROM_PROBATION)))
+        if from_protected:
+            ghosts.update(zip(from_protected, repeat(FROM_PROTECTED)))
+        if len(ghosts) >= self._generation:
+            self._old_ghosts, self._ghosts = ghosts, {}
 
     def remove(self, key):
         if key in self._probation:
@@ -377,14 +387,147 @@ class AdaptivePolicy(ProbationPolicy):
         young, old = oldest_of_two(prob, prot, n, over, skip)
         taken = young + take_oldest(prob, n - len(young) - len(old), skip)
         rest = old + take_oldest(prot, n - len(taken) - len(old), skip)
-        ghosts = self._ghosts
-        if taken:
-            ghosts.update(zip(taken, repeat(True)))
-        if rest:
-            ghosts.update(zip(rest, repeat(False)))
+        self._remember(taken, rest)
+        return taken + rest
+
+
+class LapsPolicy(AdaptivePolicy):
+    """adaptive, plus a second lap for protected keys named again while protected, as many of them as the
+    misses they and the others cause say.
+
+    While `room` is 0 (no load has shown that protected should give way: the case of a GPU cache that stores
+    what it evicts), protected's victims are taken as under ProbationPolicy, least recent first, except that a
+    key named again while protected (`hot`: stored again while held, or loaded) is passed over once: it goes
+    to protected's most recent end and loses its mark (a lap: S3-FIFO's main queue and CLOCK's second chance,
+    on top of lru's order). A block of a prefix read again and again (a popular document, a conversation
+    continued turn after turn) then outlives blocks named once since they came back from the GPU.
+
+    How many laps pay is learned, like ARC's target, from the ghosts of protected's victims: the return
+    (a store of it as new while a ghost list names it) of a key that left protected without a lap says laps
+    cost that key its place (`target` down), the return of one that left after its lap says one lap was not
+    enough (`target` up). Each return moves `target` by room's step times the ratio of the other kind's
+    ghosts to its own kind's (at least 1): returns are compared as rates, not counts, since keys that leave
+    without a lap are most of them. Laps are given while the hot keys number at most `target` (0..capacity,
+    capacity at first). While `room` is above 0, no laps: AdaptivePolicy's victims. While it is 0, a refresh
+    of keys all protected moves them (lru's order) without AdaptivePolicy's stamp, which only victims taken
+    while `room` is above 0 read (the same hit rates at all 70 points of docs/benchmarks.md).
+    Measured choices (docs/benchmarks.md, "Eviction policies"; one set of constants for every trace): laps
+    only while room is 0 (a lap for every marked key under no write-back as well loses 0.5-0.7 point to lru
+    on the agent traces at 4,000 blocks); the target learned (a lap for every marked key loses 0.5-0.7 point
+    to probation on the agent traces at 8,000 blocks with write-back), by rates (counts give up most of the
+    gains); its step a 256th (a 64th gives up the gains, a 1,024th loses 0.45 point on a held-out trace).
+    It is not the default: with write-back it is up to 0.31 point below probation on the agent and shifts
+    traces at 8,000-32,000 blocks. Costs: AdaptivePolicy's, less its stamp while room is 0, plus a set update
+    per refresh of protected keys and a move per lap; in the real call a load 1.09-1.15x lru's, a store
+    1.03-1.09x.
+    """
+
+    name = "laps"
+    LAP_STEP = 1 / 256      # target's move per return, in capacities (times the ratio of the ghosts' kinds)
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self._lap_step = max(1.0, self.LAP_STEP * capacity)
+        self._hot: set = set()          # protected keys named again while protected, since their last lap
+        self._lapped: set = set()       # protected keys that had a lap (their ghosts say so)
+        self._target = float(capacity)  # laps while len(hot) <= target
+        self._kinds = [0, 0, 0]         # ghosts per origin (FROM_PROTECTED, -, AFTER_LAP): this generation ...
+        self._old_kinds = [0, 0, 0]     # ... and the one before
+
+    def _protect(self, keys, held=True):
+        prob, prot = self._probation, self._protected
+        if held and (not prob or prob.keys().isdisjoint(keys)):     # all protected already: all named again;
+            self._hot.update(keys)                                  # lru's refresh, and adaptive's stamp only
+            keys = keys[::-1]                                       # while stamps are read (room above 0)
+            deque(map(prot.move_to_end, keys), maxlen=0)
+            if self._room > 0:
+                prot.update(zip(keys, repeat(self._clock)))
+            return
+        if prot and not prot.keys().isdisjoint(keys):
+            self._hot |= prot.keys() & keys
+        ProbationPolicy._protect(self, keys, held)
+
+    def _returned(self, new):
+        ghosts, old = self._ghosts, self._old_ghosts
+        returned = ghosts.keys() & new if ghosts and not ghosts.keys().isdisjoint(new) else set()
+        if old and not old.keys().isdisjoint(new):
+            returned |= old.keys() & new
+        if not returned:
+            return returned
+        kinds, old_kinds, target, step = self._kinds, self._old_kinds, self._target, self._lap_step
+        for key in returned:
+            origin = ghosts.pop(key, None)
+            if origin is not None:
+                kinds[origin] -= 1
+            else:
+                origin = old.pop(key)
+                old_kinds[origin] -= 1
+            without, after = kinds[FROM_PROTECTED] + old_kinds[FROM_PROTECTED], kinds[AFTER_LAP] + old_kinds[AFTER_LAP]
+            if origin == FROM_PROTECTED:
+                target -= step * max(1.0, after / max(without, 1))
+            elif origin == AFTER_LAP:
+                target += step * max(1.0, without / max(after, 1))
+        self._target = min(max(target, 0.0), float(self.capacity))
+        return returned
+
+    def _take_protected(self, n, skip):
+        """up to n of protected's keys, least recent first, a hot key passed over once (while laps pay)"""
+        prot, hot = self._protected, self._hot
+        if not hot or len(hot) > self._target or n <= 0:
+            return take_oldest(prot, n, skip)
+        out, lapped = [], self._lapped
+        while len(out) < n:
+            key = next((k for k in prot if skip is None or not skip(k)), None)
+            if key is None:
+                break
+            if key in hot:                              # its lap: to the most recent end, unmarked
+                hot.discard(key)
+                lapped.add(key)
+                del prot[key]
+                prot[key] = self._clock
+            else:
+                del prot[key]
+                out.append(key)
+        return out
+
+    def victims(self, n, skip=None):
+        if self._room > 0:
+            out = super().victims(n, skip)
+        else:                                           # protected is within its room: probation first
+            taken = take_oldest(self._probation, n, skip)
+            rest = self._take_protected(n - len(taken), skip)
+            out = taken + rest
+            self._remember(taken, rest)
+        return out
+
+    def _remember(self, from_probation, from_protected):
+        ghosts, kinds, hot, lapped = self._ghosts, self._kinds, self._hot, self._lapped
+        if from_probation:
+            ghosts.update(zip(from_probation, repeat(FROM_PROBATION)))
+            kinds[FROM_PROBATION] += len(from_probation)
+        for key in from_protected:
+            hot.discard(key)
+            if key in lapped:
+                lapped.discard(key)
+                ghosts[key] = AFTER_LAP
+                kinds[AFTER_LAP] += 1
+            else:
+                ghosts[key] = FROM_PROTECTED
+                kinds[FROM_PROTECTED] += 1
         if len(ghosts) >= self._generation:
             self._old_ghosts, self._ghosts = ghosts, {}
-        return taken + rest
+            self._old_kinds, self._kinds = kinds, [0, 0, 0]
+
+    def remove(self, key):
+        super().remove(key)
+        self._hot.discard(key)
+        self._lapped.discard(key)
+
+    def clear(self):
+        super().clear()
+        for part in (self._hot, self._lapped):
+            part.clear()
+        self._target, self._kinds, self._old_kinds = float(self.capacity), [0, 0, 0], [0, 0, 0]
 
 
 def oldest_of_two(first: OrderedDict, second: OrderedDict, n: int, limit: int, skip=None):
@@ -411,7 +554,8 @@ def oldest_of_two(first: OrderedDict, second: OrderedDict, n: int, limit: int, s
     return out_a, out_b
 
 
-POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "probation": ProbationPolicy, "adaptive": AdaptivePolicy}
+POLICIES = {"lru": LruPolicy, "arc": ArcPolicy, "probation": ProbationPolicy, "adaptive": AdaptivePolicy,
+            "laps": LapsPolicy}
 
 
 def make_policy(name: str, capacity: int):

@@ -432,7 +432,7 @@ def test_no_policy_takes_a_block_a_transfer_in_flight_uses(policy):
 def test_an_unknown_policy_is_refused_before_any_block_is_taken():
     backend = FakeBackend(num_cpu_blocks=8)
     for bad in ("mru", "LRU", "", None, 3):
-        with pytest.raises(ValueError, match="unknown eviction policy.*choose one of adaptive, arc, lru, probation"):
+        with pytest.raises(ValueError, match="unknown eviction policy.*choose one of adaptive, arc, laps, lru, probation"):
             TieredCache(backend, "ns", policy=bad)
     assert backend.allocator.num_free == 8
     assert TieredCache(backend, "ns").stats()["policy"] == DEFAULT_POLICY

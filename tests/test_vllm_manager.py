@@ -205,7 +205,7 @@ def test_the_default_policy_is_evictions_default_and_the_extra_config_option_rea
 def test_an_unknown_policy_is_refused_naming_the_choices():
     from fastcache.integrations.vllm.link import ManagerLinks
     from fastcache.integrations.vllm.manager import FastcacheManager
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru': choose one of adaptive, arc, lru, probation"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru': choose one of adaptive, arc, laps, lru, probation"):
         FastcacheManager(CHUNKS, 1, ManagerLinks("test-unknown-policy", RANKS, wait=1), RANKS, policy="mru")
 
 

@@ -10,7 +10,7 @@ Rules, in the order an engine meets them:
 - **CPU blocks: a quota.** The cache reserves `capacity` blocks from the backend's CPU block allocator
   when it is made (default: every block free then), so `allocate_cpu_blocks` keeps serving preemption
   swaps from the rest and the two never share a block. `close()` gives the quota back.
-- **Eviction: a policy** (`policy=`: `probation`, `adaptive`, `lru` or `arc`, fastcache/eviction.py's POLICIES; the
+- **Eviction: a policy** (`policy=`: `probation`, `adaptive`, `laps`, `lru` or `arc`, fastcache/eviction.py's POLICIES; the
   default is its DEFAULT_POLICY). The cache keeps the index (hash -> entry) and tells the policy, which
   knows hashes only, what happened: a store's hashes (deduplicated, less those that did not fit) and
   which of them are new, a load's hashes (touched), a load's store hits (one store of the load's hashes),
