@@ -18,7 +18,6 @@ reply socket, as it does whenever the ring is full.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 
@@ -26,6 +25,7 @@ import numpy as np
 
 from .naming import segment_name
 from .queue import MAC_BYTES
+from .ring_mac import keyed, mac
 
 SLOTS = 256
 PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
@@ -45,13 +45,6 @@ def ring_name(suffix: str, rank: int, incarnation: int) -> str:
     return segment_name(suffix, f"done_rank{rank}.{incarnation}")
 
 
-def _keyed(token: bytes, person: bytes, who: bytes):
-    """_mac's state after `who`: copied for each MAC (cheaper than keying a new one)."""
-    digest = hashlib.blake2b(key=token, digest_size=MAC_BYTES, person=person)
-    digest.update(who)
-    return digest
-
-
 class _Ring:
     def __init__(self, segment, token: bytes, rank: int, pid: int):
         if segment.size < RING_BYTES:
@@ -61,13 +54,10 @@ class _Ring:
         # the commit words and counts, one aligned 8-byte load or store each (a memoryview: no NumPy scalars)
         self.words = self.buf.cast("Q")
         self.who = ID.pack(pid, rank)
-        self._macs = {person: _keyed(token, person, self.who) for person in (DONE, WRITTEN, READ)}
+        self._macs = {person: keyed(token, person, self.who) for person in (DONE, WRITTEN, READ)}
 
     def _mac(self, person: bytes, *parts) -> bytes:
-        digest = self._macs[person].copy()
-        for part in parts:
-            digest.update(part)
-        return digest.digest()
+        return mac(self._macs[person], *parts)
 
     def _put_count(self, offset: int, person: bytes, count: int):
         self.buf[offset + 8:offset + COUNT_BYTES] = self._mac(person, WORD.pack(count)) + bytes(8)

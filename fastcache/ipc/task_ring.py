@@ -20,7 +20,6 @@ numbers, and fails as lost (the transfer manager reports the gap, as for a messa
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import struct
@@ -31,6 +30,7 @@ import numpy as np
 from .naming import segment_name
 from .protocol import FENCE_SLOTS, KV, SWAP_TO_CPU, SWAP_TO_GPU, Fence
 from .queue import MAC_BYTES
+from .ring_mac import keyed, mac
 from .shm import SharedSegment
 
 SLOTS = 256
@@ -101,18 +101,10 @@ class _Ring:
         self.buf = memoryview(segment.array(np.uint8, (RING_BYTES,)))
         self.words = segment.array(np.uint64, (RING_BYTES // 8,))   # the commit words and counts, one store each
         self.who = ID.pack(incarnation, rank)
-        self.keyed = {person: self._keyed(person) for person in (TASK, WRITTEN, READ)}
-
-    def _keyed(self, person: bytes):
-        digest = hashlib.blake2b(key=self.token, digest_size=MAC_BYTES, person=person)
-        digest.update(self.who)
-        return digest
+        self.keyed = {person: keyed(token, person, self.who) for person in (TASK, WRITTEN, READ)}
 
     def _mac(self, person: bytes, *parts) -> bytes:
-        digest = self.keyed[person].copy()
-        for part in parts:
-            digest.update(part)
-        return digest.digest()
+        return mac(self.keyed[person], *parts)
 
     def _put_count(self, offset: int, person: bytes, value: bytes):
         """value (the count first, 8 or 16 bytes) and its MAC; the count's word last."""
