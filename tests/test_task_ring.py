@@ -153,9 +153,9 @@ def test_a_record_of_another_rank_or_an_earlier_process_does_not_pass():
 
 
 def test_the_usual_task_header_is_json_s_own_bytes():
-    """encode_task formats the usual header directly: byte for byte what json.dumps gives, every kind, group,
-    dtype and flag, random ids and numbers; a fenced task (json.dumps) is the control that the oracle sees
-    a difference in bytes."""
+    """encode_task's header is byte for byte the compact JSON of its fields (what encode_small_task formats by
+    hand and the transfer manager parses), every kind, group, dtype and flag, random ids and numbers; a fenced
+    task is the control that the oracle sees a difference in bytes."""
     rng = np.random.default_rng(64)
     for n in range(200):
         count = int(rng.integers(1, 40))

@@ -347,7 +347,7 @@ class TaskChannel:
                 self._warn_once(("ring", rank), f"rank {rank}: completion records {bad[0]}..{bad[-1]} of its ring "
                                                 f"failed authentication (another process wrote to it); asked for "
                                                 f"again over its task pipe")
-                for first, last in _runs(bad):
+                for first, last in protocol.runs(bad):
                     self.send_to(rank, protocol.encode("resend", first=first, last=last))
 
     def send_all(self, message, handle=None):
@@ -567,14 +567,3 @@ class TaskChannel:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)
-
-
-def _runs(indices):
-    """(first, last) of each run of consecutive indices."""
-    runs = []
-    for i in indices:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return [tuple(r) for r in runs]

@@ -278,7 +278,7 @@ class TransferManager:
         if ring is None:
             return None
         records, bad, malformed = ring.read(head)
-        for first, last in runs(bad):
+        for first, last in protocol.runs(bad):
             log.warning("rank %d: task ring records %d..%d failed authentication or were destroyed (another process "
                         "wrote to the ring); their tasks are lost", self.rank, first, last)
             self.send("ring_bad", rank=self.rank, first=first, last=last)
@@ -513,17 +513,6 @@ class TransferManager:
             self.task_ring.close()
         self.barrier.close()
         self.signals.close()
-
-
-def runs(indices) -> list[tuple]:
-    """(first, last) of each run of consecutive indices."""
-    out = []
-    for i in indices:
-        if out and out[-1][1] == i - 1:
-            out[-1][1] = i
-        else:
-            out.append([i, i])
-    return [tuple(r) for r in out]
 
 
 RING_WAIT = 100       # ms: the longest a task in the ring waits for a wake-up whose doorbell was lost
