@@ -219,6 +219,7 @@ RULES = {
     "copy_method": (lambda v: v in COPY_METHODS, f"must be one of {', '.join(COPY_METHODS)}"),
     "reshard_copy": (lambda v: v in RESHARD_COPY_METHODS, f"must be one of {', '.join(RESHARD_COPY_METHODS)}"),
     "inline_bytes": (lambda v: _whole(v) and v >= 0, "must be a whole number of bytes >= 0"),
+    "spin_us": (lambda v: _whole(v) and 0 <= v <= 1_000_000, "must be a whole number of microseconds in [0, 1000000]"),
     "staging_mb": (lambda v: _number(v) and v > 0, "must be a positive number of MiB"),
     "kernel_blocks": (lambda v: _whole(v) and v >= 1, "must be a whole number >= 1"),
     "staged_blocks": (lambda v: _whole(v) and v >= 0, "must be a whole number >= 0 (0: four per multiprocessor)"),
@@ -265,6 +266,7 @@ class Settings:
     clear_swap_space: bool = False      # FASTCACHE_CLEAR_SWAP_SPACE=1: clear also releases the CPU tier
     reaper: bool = True                 # FASTCACHE_REAPER=0: no reaper process (what a killed engine left stays)
     task_ring: bool = True              # FASTCACHE_TASK_RING=0: every task over the task pipes, none in shared memory
+    spin_us: int = 1000                 # FASTCACHE_SPIN_US: a transfer manager stays awake this long after its last work
     copy_method: str = "staged"         # FASTCACHE_COPY_METHOD (cuda): staged | kernel | batch | memcpy
     reshard_copy: str = "gather"        # FASTCACHE_RESHARD_COPY (cuda): gather | 2d, a reshard's GPU copies
     inline_bytes: int = 4 << 20         # FASTCACHE_INLINE_BYTES: smaller tasks skip the executor thread hop

@@ -14,7 +14,7 @@ from fastcache.ipc.shm import SHM_DIR, SegmentError, SharedSegment, read_creator
 from conftest import small_spec
 
 ALL = ("HEARTBEAT_INTERVAL", "WORKER_TIMEOUT", "TRANSFER_TIMEOUT", "PHASE_TIMEOUT", "CLEAR_SWAP_SPACE",
-       "COPY_METHOD", "INLINE_BYTES", "STAGING_MB", "KERNEL_BLOCKS", "STAGED_BLOCKS", "FAIL_EVERY", "FAIL_ATTACH")
+       "COPY_METHOD", "INLINE_BYTES", "SPIN_US", "STAGING_MB", "KERNEL_BLOCKS", "STAGED_BLOCKS", "FAIL_EVERY", "FAIL_ATTACH")
 
 TIMEOUTS = ("WORKER_TIMEOUT", "TRANSFER_TIMEOUT", "PHASE_TIMEOUT")
 
@@ -30,6 +30,7 @@ BAD = [
     ("CLEAR_SWAP_SPACE", "2"), ("CLEAR_SWAP_SPACE", "maybe"),
     ("COPY_METHOD", "teleport"), ("COPY_METHOD", "Staged"), ("COPY_METHOD", "staged,kernel"),
     ("INLINE_BYTES", "-1"), ("INLINE_BYTES", "4MiB"), ("INLINE_BYTES", "1.5"),
+    ("SPIN_US", "-1"), ("SPIN_US", "1000001"), ("SPIN_US", "1ms"), ("SPIN_US", "2.5"),
     ("STAGING_MB", "0"), ("STAGING_MB", "-32"), ("STAGING_MB", "big"),
     ("KERNEL_BLOCKS", "0"), ("KERNEL_BLOCKS", "-8"), ("KERNEL_BLOCKS", "2.5"), ("KERNEL_BLOCKS", "eight"),
     ("FAIL_EVERY", "3"), ("FAIL_EVERY", "0:0"), ("FAIL_EVERY", "a:1"), ("FAIL_EVERY", "0:-1"),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, bind_replies, bind_tasks, ident
 
 log = logging.getLogger("fastcache.engine")
 
+BELL_WAIT_MS = 100        # the longest a waiter sleeps on the doorbell: a lost doorbell costs it this at most
 PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
 PING_AFTER = 0.1          # seconds a phase command may stay unread before its rank is sent a no-op behind it
 MAX_PINGS = 100           # per phase command: the phase's own timeout covers a rank that reads nothing at all
@@ -89,6 +91,11 @@ class TaskChannel:
         self._rings: dict[int, RingReader] = {}     # rank -> its process's completion ring (made by open_pipe)
         self._rings_lock = threading.Lock()         # open_pipe and the retiring calls against the I/O thread's reads
         self.doorbell = None                        # the eventfd every transfer manager rings after a record
+        self._epoll = None                          # the I/O thread's: the reply socket and (unless a waiter has it) the doorbell
+        self._reading = threading.RLock()           # one thread at a time reads the completion rings and completes
+        self._bell_owner = threading.Lock()         # held by the waiter that has taken the doorbell from the I/O thread
+        self._bell_thread = None                    # that waiter's thread id
+        self._bell_poll = None                      # its poll object over the doorbell
         self._task_rings: dict[int, TaskRingWriter] = {}    # rank -> its process's task ring (open_pipe), if on
         self._pipe_seq: dict[int, int] = {}         # rank -> number of the last message sent on its task pipe
         self._io_stop = threading.Event()
@@ -101,6 +108,11 @@ class TaskChannel:
         self._context = zmq.Context()
         self._router = bind_replies(self._context, socket_dir)
         self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self._router.getsockopt(zmq.FD), select.EPOLLIN)
+        self._epoll.register(self.doorbell, select.EPOLLIN)
+        self._bell_poll = select.poll()
+        self._bell_poll.register(self.doorbell, select.POLLIN)
         self._task_pushes = [None] * tp
         self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
         self._io_thread.start()
@@ -116,6 +128,10 @@ class TaskChannel:
             self._io_stop.set()
             self._io_thread.join()
         self.fail_pending(why)
+        with self._bell_owner:          # a waiter reading the rings has left (fail_pending woke it)
+            epoll, self._epoll = self._epoll, None
+        if epoll is not None:
+            epoll.close()
         for sock in [self._router] + self._task_pushes:
             if sock is not None:
                 sock.close(0)
@@ -202,6 +218,7 @@ class TaskChannel:
     # -- tasks in flight ---------------------------------------------------------------------------
     def send_task(self, handle, message):
         """Send a task to every rank its handle waits for, the handle in flight until every rank has answered."""
+        handle.reader = self
         with self._handles_lock:
             self._handles[handle.task_id] = handle
         self.send_all(message, handle)
@@ -295,22 +312,21 @@ class TaskChannel:
                                        "another process took the task off its task pipe (it never arrived)")
 
     def _serve(self):
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self.doorbell, zmq.POLLIN)
+        """The I/O thread: wake on the reply socket or the doorbell (or every 100 ms), read the completion rings,
+        then the replies, and supervise. It sleeps in epoll so that a waiter can take the doorbell out of its set
+        without waking it (wait)."""
+        router, epoll = self._router, self._epoll
         next_watch = 0.0
         while not self._io_stop.is_set():
-            events = dict(poller.poll(100))
-            if self.doorbell in events:
-                try:
-                    os.eventfd_read(self.doorbell)
-                except BlockingIOError:
-                    pass
+            for fd, _ in epoll.poll(0.1):   # a lost doorbell costs this at most
+                if fd == self.doorbell:
+                    self._clear_bell()
             self.read_rings()
-            if self._router in events:
+            # zmq's descriptor only says that the socket's state may have changed: its events say what changed
+            while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 while True:
                     try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK)
+                        frames = router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:
@@ -326,11 +342,74 @@ class TaskChannel:
                 self._watch_phase_command()
                 next_watch = time.monotonic() + 0.1
 
+    def wait(self, handle, timeout: float | None) -> bool | None:
+        """A handle's result(): this thread takes the doorbell from the I/O thread and reads the completion rings
+        itself until the handle is done (True) or the timeout (False), so a task's completion wakes one thread,
+        the one waiting for it. None if another thread has the doorbell (the caller waits on the handle's gate).
+        Whoever else completes the handle (a failure over the reply socket, supervision) rings the doorbell."""
+        if not self._bell_owner.acquire(False):
+            return None
+        try:
+            epoll = self._epoll
+            if epoll is None:
+                return None
+            epoll.unregister(self.doorbell)         # the I/O thread no longer wakes for it
+            self._bell_thread = threading.get_ident()
+            handle.waker = self._wake_bell
+            try:
+                return self._read_until(handle, timeout)
+            finally:
+                handle.waker = self._bell_thread = None
+                self._give_back_bell(epoll)
+        finally:
+            self._bell_owner.release()
+
+    def _give_back_bell(self, epoll):
+        """The doorbell back to the I/O thread: what rang meanwhile is cleared and its records read here (so the
+        I/O thread is not woken for them), and what rings from now on wakes the I/O thread."""
+        if self._bell_poll.poll(0):
+            self._clear_bell()
+            self.read_rings()       # a record whose ring was just cleared is read, not left for the bounded wait
+        epoll.register(self.doorbell, select.EPOLLIN)
+
+    def _read_until(self, handle, timeout) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.read_rings()
+            if handle.done():
+                return True
+            wait_ms = BELL_WAIT_MS  # a lost doorbell costs this at most, as on the I/O thread
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wait_ms = min(wait_ms, max(1, int(left * 1000)))
+            if self._bell_poll.poll(wait_ms):
+                self._clear_bell()
+
+    def _clear_bell(self):
+        try:
+            os.eventfd_read(self.doorbell)
+        except BlockingIOError:     # the I/O thread, woken before the doorbell left its set, read it first
+            pass
+
+    def _wake_bell(self):
+        """A handle a waiter reads the rings for was completed by another thread: wake that waiter."""
+        if threading.get_ident() != self._bell_thread:
+            os.eventfd_write(self.doorbell, 1)
+
     def read_rings(self):
-        """Complete the handles of every record the ranks' completion rings hold; ask again for bad ones."""
+        """Complete the handles of every record the ranks' completion rings hold; ask again for bad ones. One
+        thread at a time, completions included: a rank's records are taken in order, before its later replies."""
+        with self._reading:
+            self._read_rings()
+
+    def _read_rings(self):
         read = []
         with self._rings_lock:          # open_pipe and the retiring calls close rings
             for rank, ring in self._rings.items():
+                if not ring.unread():
+                    continue
                 records, bad = ring.read()
                 if records or bad:
                     read.append((rank, records, bad))

@@ -26,6 +26,7 @@ class Completion:
         # held until done: a waiter takes it and hands it on at once (one lock, no Event's Condition per task)
         self._gate = threading.Lock()
         self._gate.acquire()
+        self.waker = None       # called once done, while a waiter that the gate does not wake waits (TransferHandle's reader)
 
     def add_done_callback(self, fn):
         """Call fn(handle) once the handle is done, before result() returns to any waiter (so what
@@ -52,6 +53,9 @@ class Completion:
                 log.exception("callback of task %d raised", self.task_id)
         self._finished = True
         self._gate.release()
+        wake = self.waker
+        if wake is not None:        # a waiter reading the completion rings itself sleeps on their doorbell
+            wake()
 
     def done(self) -> bool:
         return self._finished
@@ -97,6 +101,7 @@ class TransferHandle(Completion):
         self._reported = 0
         self._lost: set[int] = set()         # ranks failed by the engine (dead, restarted, closed), not by a task
         self._layers = None                  # (signals, ranks, layers, table, claims) of a layer-by-layer task
+        self.reader = None                   # the engine's channel: result() reads the completions itself
         self._slots = None                   # its SlotClaims, which hold its slot until the handle is done
 
     @classmethod
@@ -108,6 +113,18 @@ class TransferHandle(Completion):
 
     def _waiting(self) -> bool:
         return bool(self._pending)
+
+    def _wait(self, timeout: float | None) -> bool:
+        """The waiting thread reads the ranks' completion rings itself where it can (no hop through the engine's
+        I/O thread: docs/design.md §4); else, or while another thread reads them, it waits on the gate."""
+        if self._finished:
+            return True
+        reader = self.reader
+        if reader is not None:
+            done = reader.wait(self, timeout)
+            if done is not None:
+                return done
+        return super()._wait(timeout)
 
     def rank_finished(self, rank: int, error: str | None = None, nbytes: int = 0, skipped: int = 0,
                       lost: bool = False, seconds: float = 0.0):

@@ -117,6 +117,12 @@ class RingReader(_Ring):
         self.next = 0
         self.published = 0      # the read count last published to the writer
 
+    def unread(self) -> bool:
+        """Is there anything for read() to look at: the next record's commit word, or a count of the writer's
+        beyond what was read (two loads, where read() takes a lock's worth of work)?"""
+        i, words = self.next, self.words
+        return words[(HEAD_BYTES + (i % SLOTS) * RECORD_BYTES) >> 3] == i + 1 or words[0] > i
+
     def read(self) -> tuple[list[tuple], list[int]]:
         """(records, bad): the (task_id, nbytes, skipped, seconds) of each record written since the last call,
         and the indices of records that failed their MAC or were overwritten (to be asked for again)."""

@@ -198,6 +198,11 @@ class TaskRingReader(_Ring):
         self.next = 0
         self.last_head, self.head_value = None, (0, 0)
 
+    def pending(self) -> bool:
+        """Is the next record's commit word there (one load: what a spinning reader looks at)?"""
+        i = self.next
+        return int(self.words[(HEAD_BYTES + (i % SLOTS) * RECORD_BYTES) >> 3]) == i + 1
+
     def head(self) -> tuple[int, int]:
         """(records written, the number of the last) as the engine last published them under the token; (0, 0)
         if it has not, or what is there fails its MAC."""

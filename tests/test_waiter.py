@@ -1,0 +1,199 @@
+"""A waiter reads its own completion (docs/design.md §4): result() takes the completion rings' doorbell from the
+engine's I/O thread and reads the rings itself, so a task's report wakes the thread waiting for it and not the
+I/O thread too; whatever else completes the handle (a failure over the reply socket, a rank lost, close) wakes
+that waiter; two threads waiting at once both finish; a record whose doorbell was never rung is still read.
+
+BELL_WAIT_MS, the waiter's bounded sleep, is raised in these tests so that a waiter nobody wakes times out
+instead of being rescued by the bound."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import cpu_image, deployment, randomize, small_spec, wait_for
+from fastcache import TransferError
+from fastcache.engine import channel as channel_module
+from fastcache.engine.channel import TaskChannel
+from fastcache.engine.handle import TransferHandle
+from fastcache.ipc import protocol
+from fastcache.ipc.done_ring import RingWriter, ring_name
+from fastcache.ipc.queue import remove_socket_dir
+from fastcache.ipc.shm import SharedSegment
+
+
+@pytest.fixture
+def long_bell(monkeypatch):
+    monkeypatch.setattr(channel_module, "BELL_WAIT_MS", 60_000)
+
+
+def io_bell_wakeups(backend) -> list:
+    """Count, from now on, the I/O thread's wake-ups for the doorbell (a list that grows by one each)."""
+    channel, seen = backend._channel, []
+    clear = channel._clear_bell
+
+    def counted():
+        if threading.current_thread().name == "fastcache-engine-io":
+            seen.append(1)
+        clear()
+    channel._clear_bell = counted
+    return seen
+
+
+def test_a_waiter_reads_its_own_completions_and_the_io_thread_is_not_woken_for_them(long_bell):
+    rng = np.random.default_rng(71)
+    spec = small_spec(num_gpu_blocks=32, num_cpu_blocks=32)
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        backend.swap_out([0], [0]).result(timeout=10)
+        # the oracle sees the I/O thread's wake-ups: handles nobody waits on are completed by the I/O thread
+        woken = io_bell_wakeups(backend)
+        handles = [backend.swap_out([i], [i]) for i in range(1, 9)]
+        wait_for(lambda: all(h.done() for h in handles), 10, "tasks nobody waits on")
+        assert len(woken) >= 1
+        for h in handles:
+            h.result(timeout=10)
+        woken.clear()
+        for i in range(40):
+            g, c = int(rng.integers(0, 32)), int(rng.integers(0, 32))
+            backend.swap_out([g], [c]).result(timeout=10)
+            for r, w in enumerate(workers):
+                np.testing.assert_array_equal(backend.cpu_tier(r)[c], cpu_image(w, [g])[0])
+        # a doorbell a rank rings just after the waiter has given it back may still wake the I/O thread
+        assert len(woken) <= 8, f"the I/O thread woke {len(woken)} times for 40 tasks that were waited on"
+
+
+def failed_while_waiting(backend):
+    """Rank 0's 2nd task, failing over the reply socket only once its waiter (result() with no timeout) sleeps on
+    the doorbell: the transfer manager is stopped until then. Returns (the waiter's thread, what it raised or
+    None in a list, the handle)."""
+    backend.swap_out([1], [1]).result(timeout=10)
+    pid = backend.transfer_pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        handle = backend.swap_out([2], [2])
+        outcome = []
+        waiter = threading.Thread(target=lambda: outcome.append(_raised(handle, None)), daemon=True)
+        waiter.start()
+        wait_for(lambda: backend._channel._bell_thread == waiter.ident, 10, "the waiter to take the doorbell")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(handle.done, 10, "the task to fail")
+    return waiter, outcome, handle
+
+
+def test_a_task_failed_over_the_reply_socket_wakes_its_waiter(monkeypatch, long_bell):
+    monkeypatch.setenv("FASTCACHE_FAIL_EVERY", "0:2")       # rank 0's 2nd task fails: reported over the socket
+    with deployment(small_spec(), tp=1) as (backend, _):
+        waiter, outcome, _ = failed_while_waiting(backend)
+        waiter.join(20)         # woken at once; only the 60 s bound would wake it otherwise
+        assert not waiter.is_alive()
+        assert isinstance(outcome[0], TransferError) and "rank 0" in str(outcome[0]), outcome
+        backend.swap_out([3], [3]).result(timeout=10)
+
+
+def test_without_the_wake_a_failed_task_leaves_its_waiter_asleep(monkeypatch, long_bell):
+    """The control of the test above: the wake left out, the waiter sleeps through the failure (until the
+    doorbell rings for another reason)."""
+    monkeypatch.setenv("FASTCACHE_FAIL_EVERY", "0:2")
+    monkeypatch.setattr(TaskChannel, "_wake_bell", lambda self: None)
+    with deployment(small_spec(), tp=1) as (backend, _):
+        waiter, outcome, handle = failed_while_waiting(backend)
+        waiter.join(5)
+        assert waiter.is_alive() and not outcome and "rank 0" in handle.error
+        os.eventfd_write(backend._channel.doorbell, 1)
+        waiter.join(20)
+        assert isinstance(outcome[0], TransferError), outcome
+
+
+def test_close_wakes_a_waiter_whose_transfer_manager_is_stopped(long_bell):
+    with deployment(small_spec(), tp=1) as (backend, _):
+        backend.swap_out([1], [1]).result(timeout=10)
+        pid = backend.transfer_pids[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            handle = backend.swap_out([2], [2])
+            outcome = []
+            waiter = threading.Thread(target=lambda: outcome.append(_raised(handle, 30)))
+            waiter.start()
+            backend.close(timeout=3)        # the stopped process is killed, its task failed
+            waiter.join(30)
+            assert not waiter.is_alive()
+            assert isinstance(outcome[0], TransferError), outcome
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _raised(handle, timeout):
+    try:
+        handle.result(timeout=timeout)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def test_two_threads_waiting_at_once_both_finish_every_block_checked(long_bell):
+    rng = np.random.default_rng(72)
+    spec = small_spec(num_gpu_blocks=32, num_cpu_blocks=32)
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        errors = []
+
+        def run(first):         # blocks first, first + 2, ...: the two threads never share one
+            try:
+                for i in range(150):
+                    block = first + 2 * (i % 16)
+                    backend.swap_out([block], [block]).result(timeout=20)
+            except Exception as exc:
+                errors.append(exc)
+        threads = [threading.Thread(target=run, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        for r, w in enumerate(workers):
+            np.testing.assert_array_equal(backend.cpu_tier(r)[:32], cpu_image(w, list(range(32))))
+
+
+class Ranks:
+    def why_failed(self, rank):
+        return None
+
+    def awaits_pipe(self, rank):
+        return False
+
+
+def test_a_record_whose_doorbell_was_never_rung_is_still_read_by_its_waiter():
+    suffix = f"test{os.getpid()}-{threading.get_ident() % 10_000}"
+    socket_dir = tempfile.mkdtemp(prefix="fastcache-test-waiter.")
+    signals = SimpleNamespace(task_received=np.zeros(1), transfer_heartbeat=np.zeros(1))
+    channel = TaskChannel(bytes(range(16)), SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: None,
+                          Ranks(), lambda: True)
+    channel.start(socket_dir, 1, suffix)
+    try:
+        channel.open_pipe(0, 0)
+        handle = TransferHandle(9, protocol.SWAP_TO_CPU, range(1), 0)
+        handle.reader = channel
+        with channel._handles_lock:
+            channel._handles[9] = handle
+        writer = RingWriter(SharedSegment.attach(ring_name(suffix, 0, 0), suffix), bytes(range(16)), 0, 0)
+        threading.Timer(0.05, lambda: writer.write(9, 4096, 0, 0.001)).start()    # and no doorbell rung
+        handle.result(timeout=10)         # found on the waiter's next bounded sleep
+        assert handle.nbytes == 4096
+        with pytest.raises(BlockingIOError):
+            os.eventfd_read(channel.doorbell)      # it was never rung
+        writer.close()
+    finally:
+        channel.close("test over")
+        remove_socket_dir(socket_dir)
+    assert not any(name.startswith(f"fastcache.{suffix}.") for name in os.listdir("/dev/shm"))
