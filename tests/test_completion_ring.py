@@ -118,7 +118,7 @@ def test_a_record_whose_doorbell_was_never_rung_is_still_read():
         handle.result(timeout=10)                     # found on the I/O thread's next bounded wait
         assert handle.nbytes == 4096
         with pytest.raises(BlockingIOError):
-            os.eventfd_read(channel.doorbell)          # it was never rung
+            os.eventfd_read(channel.doorbells.of(0))   # it was never rung
         writer.close()
     finally:
         channel.close("test over")

@@ -1,9 +1,10 @@
-"""A waiter reads its own completion (docs/design.md §4): result() takes the completion rings' doorbell from the
-engine's I/O thread and reads the rings itself, so a task's report wakes the thread waiting for it and not the
-I/O thread too; whatever else completes the handle (a failure over the reply socket, a rank lost, close) wakes
-that waiter; two threads waiting at once both finish; a record whose doorbell was never rung is still read.
+"""A waiter reads its own completion (docs/design.md §4, engine/doorbells.py): result() takes the completion
+rings' doorbells from the engine's I/O thread and reads the rings itself, so a task's reports wake the thread
+waiting for it and not the I/O thread too; whatever else completes the handle (a failure over the reply socket,
+a rank lost, close) wakes that waiter; two threads waiting at once both finish; a record whose doorbell was never
+rung is still read.
 
-BELL_WAIT_MS, the waiter's bounded sleep, is raised in these tests so that a waiter nobody wakes times out
+BELL_WAIT_MS, the waiter's bounded sleep, is raised in these tests so that a waiter nobody wakes stays asleep
 instead of being rescued by the bound."""
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import pytest
 from conftest import cpu_image, deployment, randomize, small_spec, wait_for
 from fastcache import TransferError
 from fastcache.engine import channel as channel_module
+from fastcache.engine import doorbells
 from fastcache.engine.channel import TaskChannel
+from fastcache.engine.doorbells import Doorbells
 from fastcache.engine.handle import TransferHandle
 from fastcache.ipc import protocol
 from fastcache.ipc.done_ring import RingWriter, ring_name
@@ -30,23 +33,22 @@ from fastcache.ipc.shm import SharedSegment
 
 @pytest.fixture
 def long_bell(monkeypatch):
-    monkeypatch.setattr(channel_module, "BELL_WAIT_MS", 60_000)
+    monkeypatch.setattr(doorbells, "BELL_WAIT_MS", 60_000)
 
 
-def io_bell_wakeups(backend) -> list:
-    """Count, from now on, the I/O thread's wake-ups for the doorbell (a list that grows by one each)."""
-    channel, seen = backend._channel, []
-    clear = channel._clear_bell
+def io_bell_wakeups(monkeypatch) -> list:
+    """Count, from now on, the I/O thread's wake-ups for a doorbell (a list that grows by one each)."""
+    seen, clear = [], doorbells.clear
 
-    def counted():
+    def counted(fd):
         if threading.current_thread().name == "fastcache-engine-io":
-            seen.append(1)
-        clear()
-    channel._clear_bell = counted
+            seen.append(fd)
+        clear(fd)
+    monkeypatch.setattr(channel_module.doorbells, "clear", counted)
     return seen
 
 
-def test_a_waiter_reads_its_own_completions_and_the_io_thread_is_not_woken_for_them(long_bell):
+def test_a_waiter_reads_its_own_completions_and_the_io_thread_is_not_woken_for_them(monkeypatch, long_bell):
     rng = np.random.default_rng(71)
     spec = small_spec(num_gpu_blocks=32, num_cpu_blocks=32)
     with deployment(spec, tp=2) as (backend, workers):
@@ -54,7 +56,7 @@ def test_a_waiter_reads_its_own_completions_and_the_io_thread_is_not_woken_for_t
             randomize(w, rng)
         backend.swap_out([0], [0]).result(timeout=10)
         # the oracle sees the I/O thread's wake-ups: handles nobody waits on are completed by the I/O thread
-        woken = io_bell_wakeups(backend)
+        woken = io_bell_wakeups(monkeypatch)
         handles = [backend.swap_out([i], [i]) for i in range(1, 9)]
         wait_for(lambda: all(h.done() for h in handles), 10, "tasks nobody waits on")
         assert len(woken) >= 1
@@ -82,7 +84,7 @@ def failed_while_waiting(backend):
         outcome = []
         waiter = threading.Thread(target=lambda: outcome.append(_raised(handle, None)), daemon=True)
         waiter.start()
-        wait_for(lambda: backend._channel._bell_thread == waiter.ident, 10, "the waiter to take the doorbell")
+        wait_for(lambda: backend._channel.doorbells.waiter_thread == waiter.ident, 10, "the waiter to take the doorbell")
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_for(handle.done, 10, "the task to fail")
@@ -103,12 +105,12 @@ def test_without_the_wake_a_failed_task_leaves_its_waiter_asleep(monkeypatch, lo
     """The control of the test above: the wake left out, the waiter sleeps through the failure (until the
     doorbell rings for another reason)."""
     monkeypatch.setenv("FASTCACHE_FAIL_EVERY", "0:2")
-    monkeypatch.setattr(TaskChannel, "_wake_bell", lambda self: None)
+    monkeypatch.setattr(Doorbells, "wake_waiter", lambda self: None)
     with deployment(small_spec(), tp=1) as (backend, _):
         waiter, outcome, handle = failed_while_waiting(backend)
         waiter.join(5)
         assert waiter.is_alive() and not outcome and "rank 0" in handle.error
-        os.eventfd_write(backend._channel.doorbell, 1)
+        os.eventfd_write(backend._channel.doorbells.of(0), 1)
         waiter.join(20)
         assert isinstance(outcome[0], TransferError), outcome
 
@@ -191,7 +193,7 @@ def test_a_record_whose_doorbell_was_never_rung_is_still_read_by_its_waiter():
         handle.result(timeout=10)         # found on the waiter's next bounded sleep
         assert handle.nbytes == 4096
         with pytest.raises(BlockingIOError):
-            os.eventfd_read(channel.doorbell)      # it was never rung
+            os.eventfd_read(channel.doorbells.of(0))   # it was never rung
         writer.close()
     finally:
         channel.close("test over")

@@ -45,10 +45,11 @@ from ..ipc.done_ring import RING_BYTES, RingReader, ring_name
 from ..ipc.shm import SharedSegment
 from ..ipc.task_ring import TaskRingWriter, inline
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, bind_replies, bind_tasks, identity_rank, signed, verified
+from . import doorbells
+from .doorbells import Doorbells
 
 log = logging.getLogger("fastcache.engine")
 
-BELL_WAIT_MS = 100        # the longest a waiter sleeps on the doorbell: a lost doorbell costs it this at most
 PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
 PING_AFTER = 0.1          # seconds a phase command may stay unread before its rank is sent a no-op behind it
 MAX_PINGS = 100           # per phase command: the phase's own timeout covers a rank that reads nothing at all
@@ -90,12 +91,9 @@ class TaskChannel:
         self._task_pushes: list = []                # bound by open_pipe, one socket per process
         self._rings: dict[int, RingReader] = {}     # rank -> its process's completion ring (made by open_pipe)
         self._rings_lock = threading.Lock()         # open_pipe and the retiring calls against the I/O thread's reads
-        self.doorbell = None                        # the eventfd every transfer manager rings after a record
-        self._epoll = None                          # the I/O thread's: the reply socket and (unless a waiter has it) the doorbell
+        self._epoll = None                          # the I/O thread's: the reply socket, the doorbells (unless a waiter has them)
+        self.doorbells = None                       # the completion rings' (engine/doorbells.py)
         self._reading = threading.RLock()           # one thread at a time reads the completion rings and completes
-        self._bell_owner = threading.Lock()         # held by the waiter that has taken the doorbell from the I/O thread
-        self._bell_thread = None                    # that waiter's thread id
-        self._bell_poll = None                      # its poll object over the doorbell
         self._task_rings: dict[int, TaskRingWriter] = {}    # rank -> its process's task ring (open_pipe), if on
         self._pipe_seq: dict[int, int] = {}         # rank -> number of the last message sent on its task pipe
         self._io_stop = threading.Event()
@@ -107,12 +105,9 @@ class TaskChannel:
         self._socket_dir, self._suffix = socket_dir, suffix
         self._context = zmq.Context()
         self._router = bind_replies(self._context, socket_dir)
-        self.doorbell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(self._router.getsockopt(zmq.FD), select.EPOLLIN)
-        self._epoll.register(self.doorbell, select.EPOLLIN)
-        self._bell_poll = select.poll()
-        self._bell_poll.register(self.doorbell, select.POLLIN)
+        self.doorbells = Doorbells(self._epoll)
         self._task_pushes = [None] * tp
         self._io_thread = threading.Thread(target=self._serve, name="fastcache-engine-io", daemon=True)
         self._io_thread.start()
@@ -128,9 +123,10 @@ class TaskChannel:
             self._io_stop.set()
             self._io_thread.join()
         self.fail_pending(why)
-        with self._bell_owner:          # a waiter reading the rings has left (fail_pending woke it)
-            epoll, self._epoll = self._epoll, None
-        if epoll is not None:
+        if self.doorbells is not None:
+            with self.doorbells.owner:      # a waiter reading the rings has left (fail_pending woke it)
+                epoll, self._epoll = self._epoll, None
+            self.doorbells.close()
             epoll.close()
         for sock in [self._router] + self._task_pushes:
             if sock is not None:
@@ -145,9 +141,6 @@ class TaskChannel:
             task_rings, self._task_rings = list(self._task_rings.values()), {}
         for ring in task_rings:
             ring.close()
-        if self.doorbell is not None:
-            os.close(self.doorbell)
-            self.doorbell = None
 
     # -- the task pipes ----------------------------------------------------------------------------
     def open_pipe(self, rank, incarnation) -> dict:
@@ -172,7 +165,7 @@ class TaskChannel:
             self._signals().task_received[rank] = 0
         if old_ring is not None:
             old_ring.close()
-        inherited = {"--doorbell_fd": self.doorbell}
+        inherited = {"--doorbell_fd": self.doorbells.of(rank)}
         if task_ring is not None:
             inherited["--task_doorbell_fd"] = task_ring.bell
         return inherited
@@ -318,9 +311,10 @@ class TaskChannel:
         router, epoll = self._router, self._epoll
         next_watch = 0.0
         while not self._io_stop.is_set():
+            bells = self.doorbells
             for fd, _ in epoll.poll(0.1):   # a lost doorbell costs this at most
-                if fd == self.doorbell:
-                    self._clear_bell()
+                if fd in bells:
+                    doorbells.clear(fd)
             self.read_rings()
             # zmq's descriptor only says that the socket's state may have changed: its events say what changed
             while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -343,60 +337,43 @@ class TaskChannel:
                 next_watch = time.monotonic() + 0.1
 
     def wait(self, handle, timeout: float | None) -> bool | None:
-        """A handle's result(): this thread takes the doorbell from the I/O thread and reads the completion rings
-        itself until the handle is done (True) or the timeout (False), so a task's completion wakes one thread,
-        the one waiting for it. None if another thread has the doorbell (the caller waits on the handle's gate).
-        Whoever else completes the handle (a failure over the reply socket, supervision) rings the doorbell."""
-        if not self._bell_owner.acquire(False):
+        """A handle's result(): this thread takes the doorbells from the I/O thread and reads the completion rings
+        itself until the handle is done (True) or the timeout (False), so a task's reports wake the thread waiting
+        for them and not the I/O thread too (engine/doorbells.py). None if another thread has the doorbells (the
+        caller waits on the handle's gate)."""
+        bells = self.doorbells
+        if bells is None or not bells.owner.acquire(False):
             return None
         try:
-            epoll = self._epoll
-            if epoll is None:
+            if self._epoll is None:         # closed
                 return None
-            epoll.unregister(self.doorbell)         # the I/O thread no longer wakes for it
-            self._bell_thread = threading.get_ident()
-            handle.waker = self._wake_bell
+            bells.take()
+            handle.waker = bells.wake_waiter
             try:
                 return self._read_until(handle, timeout)
             finally:
-                handle.waker = self._bell_thread = None
-                self._give_back_bell(epoll)
+                handle.waker = None
+                bells.give_back(self.read_rings)
         finally:
-            self._bell_owner.release()
-
-    def _give_back_bell(self, epoll):
-        """The doorbell back to the I/O thread: what rang meanwhile is cleared and its records read here (so the
-        I/O thread is not woken for them), and what rings from now on wakes the I/O thread."""
-        if self._bell_poll.poll(0):
-            self._clear_bell()
-            self.read_rings()       # a record whose ring was just cleared is read, not left for the bounded wait
-        epoll.register(self.doorbell, select.EPOLLIN)
+            bells.owner.release()
 
     def _read_until(self, handle, timeout) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        bells = self.doorbells
         while True:
+            pending = handle.pending_ranks()
             self.read_rings()
             if handle.done():
+                if len(pending) == 1:
+                    bells.last_rank = next(iter(pending))
                 return True
-            wait_ms = BELL_WAIT_MS  # a lost doorbell costs this at most, as on the I/O thread
+            wait_ms = doorbells.BELL_WAIT_MS
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 wait_ms = min(wait_ms, max(1, int(left * 1000)))
-            if self._bell_poll.poll(wait_ms):
-                self._clear_bell()
-
-    def _clear_bell(self):
-        try:
-            os.eventfd_read(self.doorbell)
-        except BlockingIOError:     # the I/O thread, woken before the doorbell left its set, read it first
-            pass
-
-    def _wake_bell(self):
-        """A handle a waiter reads the rings for was completed by another thread: wake that waiter."""
-        if threading.get_ident() != self._bell_thread:
-            os.eventfd_write(self.doorbell, 1)
+            bells.sleep(handle.pending_ranks(), wait_ms)
 
     def read_rings(self):
         """Complete the handles of every record the ranks' completion rings hold; ask again for bad ones. One

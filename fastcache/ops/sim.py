@@ -183,7 +183,14 @@ def move_rows(gpu, cpu, g, c, to_cpu):
     n = len(g)
     if n == 0:
         return
-    if gpu.shape[2] >= RUN_MIN_ROW_BYTES and n > 1:
+    if n == 1:          # one block: one basic-indexed copy per group, no index arrays or temporaries
+        g0, c0 = int(g[0]), int(c[0])
+        if to_cpu:
+            cpu[c0] = gpu[:, g0]
+        else:
+            gpu[:, g0] = cpu[c0]
+        return
+    if gpu.shape[2] >= RUN_MIN_ROW_BYTES:
         for g0, c0, length in _runs(g, c):
             if to_cpu:
                 cpu[c0:c0 + length] = gpu[:, g0:g0 + length].transpose(1, 0, 2)
