@@ -3,11 +3,14 @@ ranks' task pipes (under a lock, in submission order); one I/O thread reads the 
 handles rank by rank, records phase acknowledgements, and calls supervision every 100 ms.
 
 The reports of tasks done come through each process's completion ring (ipc/done_ring.py), which the channel
-creates beside its task pipe; the processes ring one doorbell (an eventfd inherited at spawn), which the I/O
-thread polls beside the reply socket. It reads the rings on every wake-up (a lost doorbell costs at most the
-100 ms poll), and again before each reply it takes off the socket, so that a report a rank put in its ring
-before a reply is taken before that reply (a task's done before its rank's phase report). Records the
-rings show bad (another process wrote to the segment) are asked for again over the rank's pipe (`resend`).
+creates beside its task pipe; each process rings its rank's doorbell (engine/doorbells.py: an eventfd inherited
+at spawn). The I/O thread sleeps on the doorbells in an epoll set beside the reply socket; a thread waiting in a
+handle's result() takes them out of that set and reads the rings itself (wait), so a waited-for task wakes the
+thread that needs it and not the I/O thread too. Whoever reads, reads on every wake-up (a lost doorbell costs at
+most the 100 ms bound), one thread at a time, and the I/O thread again before each reply it takes off the
+socket, so that a report a rank put in its ring before a reply is taken before that reply (a task's done before
+its rank's phase report). Records the rings show bad (another process wrote to the segment) are asked for again
+over the rank's pipe (`resend`).
 
 A small swap task goes to each rank through its process's task ring instead (ipc/task_ring.py: a record in
 shared memory and that process's doorbell, written by the submitting thread), numbered with the pipe's

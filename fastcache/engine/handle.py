@@ -31,8 +31,9 @@ class Completion:
     def add_done_callback(self, fn):
         """Call fn(handle) once the handle is done, before result() returns to any waiter (so what
         the callback records is visible to whoever waited); at once if that has happened already.
-        Callbacks run on the thread that completes the handle (usually the engine's I/O thread): keep
-        them short, and never call into the backend from them."""
+        Callbacks run on the thread that completes the handle (the engine's I/O thread, or the thread waiting
+        in result(), which reads the completions itself): keep them short, and never call into the backend
+        from them."""
         with self._lock:
             if self._waiting():
                 self._callbacks.append(fn)
