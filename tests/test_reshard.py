@@ -667,19 +667,19 @@ def test_a_rollback_whose_callbacks_raise_still_finishes_and_names_both_failures
 def test_a_scale_out_that_cannot_make_a_new_ranks_cpu_tier_rolls_back_without_keeping_the_ones_it_made(monkeypatch):
     """Rank 2's CPU tier cannot be made after rank 1's was: the rollback removes rank 1's too, so the same
     scale-out later finds its names free and succeeds."""
-    from fastcache.engine import backend as backend_module
     from fastcache.ipc.naming import swap_space_name
+    from fastcache.ipc.shm import SharedSegment
     spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
     rng = np.random.default_rng(8)
     with in_process_deployment(spec, tp=1) as (backend, pool):
         model = filled_model(backend, rng, 4)
-        real_create = backend_module.SharedSegment.create
+        real_create = SharedSegment.create
 
         def create(name, size, suffix):
             if name == swap_space_name(backend.suffix, 2):
                 raise MemoryError("no shared memory for rank 2's CPU tier")
             return real_create(name, size, suffix)
-        monkeypatch.setattr(backend_module.SharedSegment, "create", create)
+        monkeypatch.setattr(SharedSegment, "create", create)
         with pytest.raises(MemoryError, match="rank 2's CPU tier"):
             backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
         monkeypatch.undo()

@@ -1,19 +1,19 @@
 """SwapBackend: the engine side of fastcache (docs/design.md §1, §4-§7).
 
 It creates the deployment's signals, phase barrier, CPU tiers and task queue, turns swap requests into
-validated tasks and drives clear/restore. Its parts, each in its own module and each the one owner of its state:
-the rank supervisor (ranks.py: the transfer managers' processes), the task channel (channel.py: the pipes, the
-I/O thread, the tasks in flight and the phase reports), the store tasks (store_tasks.py), the weight group
-(weights.py) and the resharder (resharder.py); its rank, task, store, weight and reshard methods delegate to
-them, and the supervisor and the channel know each other only through public methods and callables given in
-their constructors. The resharder reaches the ranks' state through _ReshardHost, defined here, which calls
-the parts' public methods.
+validated tasks, and starts and closes the deployment. Its parts, each in its own module and each the one
+owner of its state: the rank supervisor (ranks.py: the transfer managers' processes), the task channel
+(channel.py: the pipes, the I/O thread, the tasks in flight and the phase reports), the CPU tiers
+(cpu_tiers.py), the phases (phases.py: clear/restore, sleep/wake, readiness and the phase lock), the store
+tasks (store_tasks.py), the weight group (weights.py) and the resharder (resharder.py); its rank, phase,
+store, weight and reshard methods delegate to them, and the parts know each other only through public
+methods and callables given in their constructors. The resharder reaches the ranks' state through a
+BackendReshardHost (reshard_host.py), which calls the parts' public methods.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 
 import numpy as np
@@ -21,14 +21,14 @@ import numpy as np
 from ..config import CacheSpec, Settings
 from ..errors import RefusedError, TransferError
 from ..ipc import protocol
-from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError, phase_barrier
+from ..ipc.barrier import ENGINE_PARTY, phase_barrier
 from ..ipc.layers import SlotClaims
 from ..ipc.leftovers import remove_dead
-from ..ipc.naming import new_suffix, swap_space_name
+from ..ipc.naming import new_suffix
 from ..ipc.reaper import Reaper
 from ..ipc.queue import make_socket_dir, new_token, remove_socket_dir
-from ..ipc.shm import SharedSegment, check_shm_room
-from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING, DeploymentSignals, ReadyView
+from ..ipc.shm import check_shm_room
+from ..ipc.signal import NORMAL, STATUS_NAMES, DeploymentSignals, ReadyView
 from ..metrics import SwapCounters
 from ..ops import resolve_device
 from ..reshard_plan import DEFAULT_STAGING_BYTES
@@ -37,9 +37,12 @@ from ..weight_spec import DEFAULT_RING_SLOTS, WeightSpec
 from ..worker.cache_worker import close_local_workers
 from .allocator import CpuBlockAllocator
 from .channel import TaskChannel
+from .cpu_tiers import CpuTiers
 from .handle import TransferHandle
 from .ids import SMALL_IDS, as_ids, small_swap_ids, wire_dtype
+from .phases import Phases
 from .ranks import RankSupervisor
+from .reshard_host import BackendReshardHost
 from .resharder import Resharder
 from .store_tasks import StoreTasks
 from .weights import WeightGroup, place_weights
@@ -48,7 +51,6 @@ log = logging.getLogger("fastcache.engine")
 
 CLOSE_TIMEOUT = 30.0        # seconds SwapBackend.close() takes at most by default
 STOP_GRACE = 5.0            # of which the transfer managers get this long to stop before they are killed
-SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
 
 
 class SwapBackend:
@@ -87,7 +89,6 @@ class SwapBackend:
                                        lambda: self._closed)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
-        self._phase_lock = threading.Lock()
         self._task_ids = itertools.count(1)
         self._layer_slots = SlotClaims("a layer-by-layer swap-in")     # ipc/layers.py (weight streams: weights.py)
         self._token = new_token()                   # signs every message (ipc/queue.py); never sent
@@ -98,11 +99,15 @@ class SwapBackend:
             lambda rank, why: self._channel.fail_rank_tasks(rank, why), lambda: self._channel.wake())
         self._channel = TaskChannel(                # docs/design.md §4 (engine/channel.py)
             self._token, self.settings, lambda: self.signals, lambda: self.barrier, self._ranks, lambda: self._closed)
-        self._swap_segments: list[SharedSegment | None] = [None] * tp_size
+        self._tiers = CpuTiers(tp_size, self.suffix)   # docs/design.md §3 (engine/cpu_tiers.py)
+        self._phases = Phases(                      # docs/design.md §6, §11 (engine/phases.py)
+            self.settings, lambda: self.signals, lambda: self.barrier, lambda: self.tp_size, lambda: self.spec,
+            self._ranks, self._channel, self._weights, self._tiers, self.allocator, lambda: self._resharder.pending)
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
         self._ready_view: ReadyView | None = None      # the signals _new_task reads, made on the first task
-        self._resharder = Resharder(_ReshardHost(self))      # docs/design.md §9 (engine/resharder.py)
+        self._resharder = Resharder(BackendReshardHost(      # docs/design.md §9 (engine/resharder.py)
+            self, self._weights, self._phases, self._ranks, self._channel, self._tiers, self._take_geometry))
 
     # -- start-up --------------------------------------------------------------------------------
     def __enter__(self):
@@ -126,7 +131,7 @@ class SwapBackend:
                 SlotClaims.open(self.signals.whole(claims))
             self.barrier = phase_barrier(self.suffix, self.tp_size, create=True, capacity=self.rank_capacity)
             self.barrier.register(ENGINE_PARTY)
-            self._create_swap_spaces()
+            self._tiers.create_all(self.spec, self.tp_size)
             self._weights.create_regions()
             self.socket_dir = make_socket_dir(self.suffix)
             self._channel.start(self.socket_dir, self.tp_size, self.suffix)
@@ -150,18 +155,6 @@ class SwapBackend:
         check_shm_room(need, f"the spec, for {self.tp_size} rank(s) (CPU tier"
                              f"{' and simulated GPU cache' if self.device == 'sim' else ''}; lower num_cpu_blocks or "
                              f"num_gpu_blocks),")
-
-    def _create_swap_spaces(self):
-        for rank in range(self.tp_size):
-            if self._swap_segments[rank] is None:
-                self._swap_segments[rank] = SharedSegment.create(
-                    swap_space_name(self.suffix, rank), self.spec.cpu_cache_bytes, self.suffix)
-
-    def _release_swap_spaces(self):
-        for rank, seg in enumerate(self._swap_segments):
-            if seg is not None:
-                seg.close()
-                self._swap_segments[rank] = None
 
     @property
     def running(self) -> bool:
@@ -190,31 +183,13 @@ class SwapBackend:
         # attached too when the cache is up (in CLEARED it attaches on restore)
         ranks = self._ranks
         ready = (lambda: ranks.attached(rank)) if self.signals.status == NORMAL else (lambda: ranks.registered(rank))
-        self._wait_signals(ready, time.monotonic() + timeout, f"restart of rank {rank}")
+        self._phases.wait_signals(ready, time.monotonic() + timeout, f"restart of rank {rank}")
 
     def wait_ready(self, timeout: float = 30.0):
         """Wait until every worker has exported its cache and every transfer manager has attached it.
         Raises TransferError as soon as a rank fails, TimeoutError (saying what is missing) at the timeout."""
-        deadline = time.monotonic() + timeout
-        while not self._all_ready():
-            self._ranks.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"deployment not ready after {timeout} s: {self._readiness()}")
-            time.sleep(0.002)
+        self._phases.wait_ready(timeout)
         return self
-
-    def _all_ready(self) -> bool:
-        return (self._ranks.all_attached(self.tp_size) and bool(self.signals.cache_ready[:self.tp_size].all())
-                and bool(self.signals.swap_space_ready[:self.tp_size].all()) and self._weights.ready())
-
-    def _readiness(self) -> str:
-        return "; ".join(
-            f"rank {r}: cache_ready={int(self.signals.cache_ready[r])} "
-            f"swap_space_ready={int(self.signals.swap_space_ready[r])} "
-            f"transfer manager {self._ranks.connection(r)}"
-            + (f" weights exported={int(self.signals.weights_ready[r, 0])} attached={int(self.signals.weights_ready[r, 1])}"
-               if self.weight_layout is not None else "")
-            for r in range(self.tp_size))
 
     # -- swaps -----------------------------------------------------------------------------------
     def swap_out(self, gpu_block_ids, cpu_block_ids, fence=None) -> TransferHandle:
@@ -318,8 +293,8 @@ class SwapBackend:
             raise RefusedError(f"{what} refused: kv_cache_status is {STATUS_NAMES.get(status, status)} "
                                f"(the cache is being cleared, restored or resharded)")
         self._ranks.raise_if_failed()
-        if not self._all_ready():
-            raise RefusedError(f"{what} refused: deployment not ready ({self._readiness()}); call wait_ready()")
+        if not self._phases.all_ready():
+            raise RefusedError(f"{what} refused: deployment not ready ({self._phases.readiness()}); call wait_ready()")
 
     def _new_phase_task(self, kind, nbytes: int) -> TransferHandle:
         """The handle of a task that a phase sends outside NORMAL (a sleep's or a wake's weight copy)."""
@@ -370,11 +345,7 @@ class SwapBackend:
     def cpu_tier(self, rank: int) -> np.ndarray:
         """Rank's CPU tier as uint8 [num_cpu_blocks, cpu_block_bytes], a view of its blocks without their slots
         (block-major; for checks and tools)."""
-        seg = self._swap_segments[rank]
-        if seg is None:
-            raise TransferError(f"rank {rank} has no CPU tier (released by clear_caches)")
-        spec = self.spec
-        return seg.array(np.uint8, (spec.num_cpu_blocks, spec.cpu_block_stride))[:, :spec.cpu_block_bytes]
+        return self._tiers.blocks(rank, self.spec)
 
     def allocate_cpu_blocks(self, n: int) -> list[int]:
         return self.allocator.allocate(n)
@@ -394,7 +365,7 @@ class SwapBackend:
         that go. `device_ids`: the new ranks' devices (default: kept ranks keep theirs, new rank r gets r).
         ValueError for a bad request, before anything changes; TransferError if a rank fails (engine/resharder.py
         says what is left in service then)."""
-        with self._phase_lock:
+        with self._phases.lock:
             return self._resharder.reshard(tp_size, live_blocks, start_workers, stop_workers, timeout,
                                            device_ids=device_ids, staging_bytes=staging_bytes)
 
@@ -422,6 +393,10 @@ class SwapBackend:
         """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks)."""
         self._resharder.register_cache(cache)
 
+    def _take_geometry(self, spec: CacheSpec, tp: int, device_ids: list):
+        """A reshard's commit: the deployment's new spec, tp and devices (engine/reshard_host.py)."""
+        self.spec, self.tp_size, self.device_ids = spec, tp, device_ids
+
     # -- weights (docs/design.md §11; engine/weights.py) ---------------------------------------------------
     @property
     def weight_layout(self) -> WeightSpec | None:
@@ -443,163 +418,26 @@ class SwapBackend:
         """Free every rank's KV cache and weights, as clear_caches frees the cache (status CLEARED). level 1
         first copies the resident weights into the CPU weight region and compares them there; level 2 copies
         nothing (new weights come after wake). A dead rank fails it naming the rank: restart_rank, sleep again."""
-        if isinstance(level, bool) or level not in SLEEP_LEVELS:
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
-        with self._phase_lock:
-            asleep, status = int(self.signals.sleep_level[0]), self.signals.status
-            if asleep and asleep != level:
-                raise TransferError(f"sleep({level}) refused: a sleep({asleep}) is under way or done")
-            if status == CLEARED and asleep:
-                return
-            if status not in (NORMAL, CLEARING) or (status == CLEARING and not asleep):
-                raise TransferError(f"sleep refused: kv_cache_status is {STATUS_NAMES.get(status, status)}")
-            if self._resharder.pending is not None:
-                raise TransferError("sleep refused: a reshard is pending")
-            self._ranks.raise_if_failed()
-            deadline = time.monotonic() + timeout
-            self.barrier.reset()
-            self.signals.status = CLEARING          # refuses new swaps from here on
-            self._drain(deadline)
-            if level == 1:
-                try:
-                    self._weights.save_resident(deadline)
-                except BaseException:
-                    self.signals.status = NORMAL    # nothing was freed: the deployment serves on
-                    raise
-            self.signals.sleep_level[0] = level     # workers and transfer managers let go of the weights too
-            self._clear_phase(deadline)
+        self._phases.sleep(level, timeout)
 
     def wake(self, timeout: float = 60.0):
         """Re-create every rank's weights and KV cache (status NORMAL); after sleep(1) the weights are copied
         back first. A dead rank fails it naming the rank: restart_rank, wake again."""
-        with self._phase_lock:
-            level, status = int(self.signals.sleep_level[0]), self.signals.status
-            if not level:
-                if status == NORMAL:
-                    return
-                raise TransferError(f"wake needs a sleeping deployment; kv_cache_status is "
-                                    f"{STATUS_NAMES.get(status, status)}")
-            if status not in (CLEARED, UPDATING):
-                raise TransferError(f"wake refused: the sleep has not finished (kv_cache_status is "
-                                    f"{STATUS_NAMES.get(status, status)}); call sleep({level}) again")
-            self._ranks.raise_if_failed()
-            deadline = time.monotonic() + timeout
-            self._restore_phase(deadline, "wake")
-            self._weights.restore_resident(level, deadline)
-            self.signals.sleep_level[0] = 0
-            self.signals.status = NORMAL
+        self._phases.wake(timeout)
 
     @property
     def asleep(self) -> int:
         """The level of the sleep under way or done, 0 when awake."""
         return int(self.signals.sleep_level[0])
 
-    # -- clear / restore (docs/design.md §6) ---------------------------------------------------------------
+    # -- clear / restore (docs/design.md §6; engine/phases.py) ----------------------------------------------
     def clear_caches(self, timeout: float = 60.0):
         """Release every rank's cache memory; returns once all of it is free (status CLEARED)."""
-        with self._phase_lock:
-            if self.signals.status == CLEARED:
-                return
-            if self._resharder.pending is not None:
-                raise TransferError("clear refused: a reshard is pending (restart_rank the failed rank, then "
-                                    "reshard again)")
-            self._ranks.raise_if_failed()
-            deadline = time.monotonic() + timeout
-            self.barrier.reset()
-            self.signals.status = CLEARING              # refuses new swaps from here on
-            self._drain(deadline)                       # a clear never pulls memory from under a copy
-            self._clear_phase(deadline)
-
-    def _clear_phase(self, deadline):
-        """The clear itself, once nothing is in flight (a sleep frees the weights too: sleep_level is set)."""
-        release = self.settings.clear_swap_space
-        self._run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
-        weights = bool(self.signals.sleep_level[0]) and self.weight_layout is not None
-        self._wait_signals(lambda: not self.signals.cache_ready.any() and
-                           (not release or not self.signals.swap_space_ready.any()) and
-                           (not weights or not self.signals.weights_ready.any()), deadline, "release")
-        self._ranks.detach(range(self.tp_size))
-        if release:
-            self._release_swap_spaces()
-        self.allocator.reset()
-        self.signals.status = CLEARED
+        self._phases.clear(timeout)
 
     def restore_caches(self, timeout: float = 60.0):
         """Re-create every rank's cache; returns once all ranks are ready again (status NORMAL)."""
-        with self._phase_lock:
-            if self.signals.status == NORMAL:
-                return
-            if self.signals.status not in (CLEARED, UPDATING):      # UPDATING: a failed restore, retried
-                raise TransferError(f"restore needs a cleared cache; kv_cache_status is "
-                                    f"{STATUS_NAMES.get(self.signals.status)}")
-            if self.signals.sleep_level[0]:
-                raise TransferError("restore refused: the deployment sleeps; call wake()")
-            self._ranks.raise_if_failed()
-            self._restore_phase(time.monotonic() + timeout, "restore")
-            self.signals.status = NORMAL
-
-    def _restore_phase(self, deadline, what):
-        """Every rank re-creates its cache (and weights a sleep freed) and is attached again (status UPDATING)."""
-        self.barrier.reset()
-        self._create_swap_spaces()
-        self.signals.status = UPDATING
-        self._run_phase("restore", protocol.encode("restore"), deadline)
-        self._wait_signals(self._all_ready, deadline, what)
-
-    def _drain(self, deadline):
-        for handle in self._channel.pending_handles():
-            try:
-                handle.result(max(0.0, deadline - time.monotonic()))
-            except TransferError:
-                pass                                    # its owner sees the failure
-            except TimeoutError:
-                raise TransferError(f"clear timed out waiting for task {handle.task_id} in flight") from None
-
-    def _run_phase(self, phase, message, deadline):
-        """Send a phase to every transfer manager, meet everyone at the barrier, collect the acks."""
-        channel = self._channel
-        channel.expect_reports(phase)
-        channel.send_phase_command(phase, message)
-        try:
-            self.barrier.wait(ENGINE_PARTY, max(0.0, deadline - time.monotonic()))
-        except BrokenBarrierError as exc:
-            self._settle_phase(phase, deadline)
-            failed = "".join(f"; rank {r}: {why}" for r, why in sorted(self._ranks.failed_ranks.items()))
-            raise TransferError(f"{phase} failed: {channel.end_phase_command() or exc}{failed}") from None
-        channel.end_phase_command()
-        ok, acks, _ = channel.collect_reports(phase, lambda acks: len(acks) == self.tp_size or self._ranks.any_failed(),
-                                              deadline - time.monotonic())
-        self._ranks.raise_if_failed()
-        errors = {r: e for r, e in acks.items() if e}
-        if errors or not ok:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or \
-                f"no report from ranks {sorted(set(range(self.tp_size)) - set(acks))}"
-            raise TransferError(f"{phase} failed: {detail}")
-
-    def _settle_phase(self, phase, deadline):
-        """After a phase's barrier broke, until every live transfer manager has reported the phase (it failed at
-        the same generation) and every party has reached that generation: a report or an arrival of this attempt
-        that came later would be taken for the next attempt's (a retry's phase failing on the old generation, or
-        a slow party passing the new one unprepared). Up to the phase's deadline, at least 1 s and at most 10 s
-        (a party that hangs is not waited for: the next attempt names it)."""
-        now = time.monotonic()
-        until = min(now + 10.0, max(deadline, now + 1.0))
-        lost = self._channel.lost_phase_ranks()     # will not report
-
-        def settled(acks):
-            return all(r in acks or r in lost or self._ranks.gone(r)
-                       for r in range(min(self.tp_size, self._ranks.size)))
-        self._channel.collect_reports(phase, settled, until - time.monotonic())
-        self.barrier.settle(max(0.0, until - time.monotonic()))
-
-    def _wait_signals(self, condition, deadline, what, detail=None):
-        """Until condition() holds; TransferError naming what is missing (detail(), or every rank's readiness)
-        past the deadline."""
-        while not condition():
-            self._ranks.raise_if_failed()
-            if time.monotonic() > deadline:
-                raise TransferError(f"{what} timed out: {(detail or self._readiness)()}")
-            time.sleep(0.001)
+        self._phases.restore(timeout)
 
     def also_reap(self, suffix: str):
         """Segments of another suffix that this process creates (an integration's own): if the process is
@@ -630,7 +468,7 @@ class SwapBackend:
         if self.signals is not None:
             close_local_workers(self.suffix)
         self._channel.close("the backend was closed")
-        self._release_swap_spaces()
+        self._tiers.release()
         self._weights.release_regions()
         self._resharder.close()
         if self.barrier is not None:
@@ -645,114 +483,3 @@ class SwapBackend:
         if self._reaper is not None:
             self._reaper.close()
 
-
-class _ReshardHost:
-    """The resharder's way into the backend (engine/resharder.py, ReshardHost): the ranks' state a step grows,
-    shrinks and retires is changed here, beside the code that defines it. A list the I/O thread reads is
-    replaced, never changed in length in place (the thread may be iterating it)."""
-
-    def __init__(self, backend: SwapBackend):
-        self._b = backend
-
-    # what the backend has now (a step changes the geometry)
-    spec = property(lambda self: self._b.spec)
-    tp_size = property(lambda self: self._b.tp_size)
-    device_ids = property(lambda self: self._b.device_ids)
-    device = property(lambda self: self._b.device)
-    suffix = property(lambda self: self._b.suffix)
-    signals = property(lambda self: self._b.signals)
-    barrier = property(lambda self: self._b.barrier)
-    allocator = property(lambda self: self._b.allocator)
-    weights = property(lambda self: self._b._weights)
-    running = property(lambda self: self._b.running)
-    failed_ranks = property(lambda self: self._b.failed_ranks)
-
-    # -- phases ----------------------------------------------------------------------------------
-    def drain(self, deadline):
-        self._b._drain(deadline)
-
-    def run_phase(self, phase, message, deadline):
-        self._b._run_phase(phase, message, deadline)
-
-    def wait_signals(self, condition, deadline, what, detail=None):
-        self._b._wait_signals(condition, deadline, what, detail)
-
-    def all_ready(self) -> bool:
-        return self._b._all_ready()
-
-    def expect_reports(self, phase):
-        """Collect the ranks' reports of `phase` from now on (before it is sent: a fast report is kept)."""
-        self._b._channel.expect_reports(phase, copies=True)
-
-    def collect_reports(self, phase, ranks, deadline) -> tuple[dict, dict]:
-        """Until every rank in `ranks` has reported `phase`, one of them has failed, or the deadline: the reports
-        ({rank: error or None}) and the ranks' copy seconds; stops collecting."""
-        supervisor = self._b._ranks
-        _, got, copies = self._b._channel.collect_reports(
-            phase, lambda acks: set(ranks) <= set(acks) or supervisor.any_failed(ranks), deadline - time.monotonic())
-        return got, copies
-
-    # -- the ranks' processes and pipes ------------------------------------------------------------
-    def spawn(self, rank, spec, tp, device_id, weights):
-        self._b._ranks.spawn(rank, spec=spec, tp=tp, device_id=device_id, weights=weights)
-
-    def registered(self, rank) -> bool:
-        return self._b._ranks.registered(rank)
-
-    def pid(self, rank) -> int:
-        return self._b._ranks.pid(rank)
-
-    def send_to(self, rank, message) -> bool:
-        return self._b._channel.send_to(rank, message)
-
-    def check_exit(self, rank) -> bool:
-        return self._b._ranks.check_exit(rank)
-
-    def take_out(self, rank):
-        """Rank's process, taken out of service so that supervision does not report its (planned) exit."""
-        return self._b._ranks.take_out(rank)
-
-    def detach(self, ranks):
-        """These ranks attach their caches again before they are ready."""
-        self._b._ranks.detach(ranks)
-
-    # -- the ranks' lists and CPU tiers ------------------------------------------------------------
-    def add_ranks(self, tp):
-        """Room for ranks up to tp (a scale-out's new ones), none in service yet."""
-        b = self._b
-        b._ranks.grow(tp)
-        grow = tp - len(b._swap_segments)
-        if grow > 0:
-            b._swap_segments = b._swap_segments + [None] * grow
-        b.signals.resize(tp)
-        b._channel.add_pipes(tp)        # the rank supervisor's spawn binds the new ranks' task sockets
-
-    def create_cpu_tier(self, rank, spec):
-        b = self._b
-        if b._swap_segments[rank] is None:
-            b._swap_segments[rank] = SharedSegment.create(swap_space_name(b.suffix, rank), spec.cpu_cache_bytes,
-                                                          b.suffix)
-
-    def drop_rank(self, rank):
-        """A retired rank's task pipe and CPU tier go."""
-        b = self._b
-        b._channel.drop_pipe(rank)
-        seg, b._swap_segments[rank] = b._swap_segments[rank], None
-        if seg is not None:
-            seg.close()
-
-    def keep_ranks(self, tp):
-        """Ranks below tp only (a commit's or a rollback's): a rank from tp on that still has a pipe or a CPU
-        tier (one a failed scale-out made before its rank started) loses it too."""
-        b = self._b
-        b._ranks.keep(tp)                       # retired: None already; supervision sees None
-        for r in range(tp, len(b._swap_segments)):
-            if b._channel.has_pipe(r) or b._swap_segments[r] is not None:
-                self.drop_rank(r)
-        b._swap_segments = b._swap_segments[:tp]
-        b._channel.keep_pipes(tp)
-        b.signals.resize(tp)
-
-    def take_geometry(self, spec, tp, device_ids):
-        b = self._b
-        b.spec, b.tp_size, b.device_ids = spec, tp, device_ids

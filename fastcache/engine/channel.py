@@ -23,7 +23,7 @@ the handles in flight, the ranks' phase reports and the phase command being watc
 ranks' processes are the rank supervisor's (engine/ranks.py), reached through its public methods: replies are
 accepted only from the process it spawned for a rank; it asks the channel for a new process's task pipe
 (open_pipe), to fail a rank's tasks (fail_rank_tasks) and to wake the phases (wake). A reshard grows, shrinks
-and retires the task pipes through add_pipes, drop_pipe and keep_pipes (the backend's _ReshardHost).
+and retires the task pipes through add_pipes, drop_pipe and keep_pipes (BackendReshardHost, reshard_host.py).
 
 A phase command that another process takes off a rank's task pipe would leave the phase waiting for its
 whole timeout: until each rank has read it, the I/O thread sends that rank a numbered no-op (`ping`) every

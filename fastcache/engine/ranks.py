@@ -6,7 +6,7 @@ processes, their incarnations, the failed ranks (with why) and the registered/at
 rest through what its constructor is given: the deployment's geometry and launch arguments, the signals, and
 three callables of the task channel (a new process's task pipe, failing the tasks a rank owes, waking the
 phases that wait on the ranks). A reshard grows, shrinks and retires ranks through its public methods (the
-backend's _ReshardHost calls them).
+BackendReshardHost of reshard_host.py calls them).
 
 A list the I/O thread reads (the processes, the flags) is replaced, never changed in length in place: the
 thread may be iterating it.
