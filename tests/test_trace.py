@@ -85,7 +85,7 @@ def test_replay_equals_the_model_verifies_every_block_and_plots(tmp_path):
     assert matplotlib.image.imread(str(png)).shape[:2] == (528, 1430)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc", "probation", "adaptive", "laps"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "probation", "adaptive", "laps", "shadow"])
 @pytest.mark.parametrize("store", [None, "file"])
 def test_replay_equals_the_model_for_every_policy(tmp_path, policy, store):
     """The model and the replay share the policy's implementation (fastcache/eviction.py), not the tier's

@@ -26,7 +26,7 @@ def test_good_config_keeps_vllm_keys():
     ({"cpu_bytes_to_use": 1, "namespace": ""}, "namespace"),
     ({"cpu_bytes_to_use": 1, "transfer_timeout": 0}, "transfer_timeout"),
     ({"cpu_bytes_to_use": 1, "policy": "mru"},
-     "'policy' must be one of \\['adaptive', 'arc', 'laps', 'lru', 'probation'\\].*got 'mru'"),
+     "'policy' must be one of \\['adaptive', 'arc', 'laps', 'lru', 'probation', 'shadow'\\].*got 'mru'"),
     ({"cpu_bytes_to_use": 1, "policy": "LRU"}, "policy"),
     ({"cpu_bytes_to_use": 1, "policy": 3}, "policy"),
 ])
@@ -39,7 +39,7 @@ def test_the_eviction_policy_defaults_to_evictions_default_and_takes_each_name()
     from fastcache.eviction import DEFAULT_POLICY
     assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1}).policy == DEFAULT_POLICY
     assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1, "policy": None}).policy == DEFAULT_POLICY
-    for name in ("lru", "arc", "probation", "adaptive", "laps"):
+    for name in ("lru", "arc", "probation", "adaptive", "laps", "shadow"):
         assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1, "policy": name}).policy == name
 
 
