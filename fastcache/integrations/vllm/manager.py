@@ -2,7 +2,7 @@
 
 TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
 - Eviction: a policy of fastcache/eviction.py (the same implementation TieredCache uses), chosen by
-  kv_connector_extra_config "policy" ("lru", "arc", "probation", "adaptive", "laps"; default: eviction.DEFAULT_POLICY). The
+  kv_connector_extra_config "policy" ("lru", "arc", "probation", "adaptive", "laps", "shadow"; default: eviction.DEFAULT_POLICY). The
   manager keeps the index (key -> entry) and tells the policy what happened: prepare_store's keys (the
   inserted ones new, the held ones refreshed), prepare_load's (read: touched; with L3 fetches, one store of
   them, as TieredCache does), touch(), a dropped entry, a reset. Lookups only read. Under lru a call's
