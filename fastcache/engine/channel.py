@@ -350,8 +350,8 @@ class TaskChannel:
         try:
             if self._epoll is None:         # closed
                 return None
+            handle.waker = bells.wake_waiter   # before the first look at done(): nothing completes it unseen
             bells.take()
-            handle.waker = bells.wake_waiter
             try:
                 return self._read_until(handle, timeout)
             finally:
@@ -361,22 +361,25 @@ class TaskChannel:
             bells.owner.release()
 
     def _read_until(self, handle, timeout) -> bool:
+        """Sleep on a doorbell, then read, until the handle is done. No read before the first sleep: a record that
+        came before the doorbells were taken has its doorbell still rung (the sleep returns at once), or the
+        I/O thread took the ring and reads the record itself, completing the handle through its waker."""
         deadline = None if timeout is None else time.monotonic() + timeout
         bells = self.doorbells
-        while True:
-            pending = handle.pending_ranks()
-            self.read_rings()
-            if handle.done():
-                if len(pending) == 1:
-                    bells.last_rank = next(iter(pending))
-                return True
+        pending = handle.pending_ranks()
+        while not handle.done():
             wait_ms = doorbells.BELL_WAIT_MS
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 wait_ms = min(wait_ms, max(1, int(left * 1000)))
-            bells.sleep(handle.pending_ranks(), wait_ms)
+            bells.sleep(pending, wait_ms)
+            self.read_rings()
+            before, pending = pending, handle.pending_ranks()
+            if not pending and len(before) == 1:
+                bells.last_rank = next(iter(before))    # the rank that reported last
+        return True
 
     def read_rings(self):
         """Complete the handles of every record the ranks' completion rings hold; ask again for bad ones. One
