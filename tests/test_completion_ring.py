@@ -101,7 +101,8 @@ class Ranks:
         return False
 
 
-def test_a_record_whose_doorbell_was_never_rung_is_still_read():
+@pytest.mark.parametrize("reader", ["io thread", "waiter"])
+def test_a_record_whose_doorbell_was_never_rung_is_still_read(reader):
     suffix = f"test{os.getpid()}-{threading.get_ident() % 10_000}"
     socket_dir = tempfile.mkdtemp(prefix="fastcache-test-ring.")
     signals = SimpleNamespace(task_received=np.zeros(1), transfer_heartbeat=np.zeros(1))
@@ -111,11 +112,13 @@ def test_a_record_whose_doorbell_was_never_rung_is_still_read():
     try:
         channel.open_pipe(0, 0)
         handle = TransferHandle(9, protocol.SWAP_TO_CPU, range(1), 0)
+        if reader == "waiter":
+            handle.reader = channel                   # result() reads the rings itself (as send_task sets it)
         with channel._handles_lock:
             channel._handles[9] = handle
         writer = RingWriter(SharedSegment.attach(ring_name(suffix, 0, 0), suffix), bytes(range(16)), 0, 0)
         assert writer.write(9, 4096, 0, 0.001)        # and no doorbell rung
-        handle.result(timeout=10)                     # found on the I/O thread's next bounded wait
+        handle.result(timeout=10)                     # found on the next bounded wait
         assert handle.nbytes == 4096
         with pytest.raises(BlockingIOError):
             os.eventfd_read(channel.doorbells.of(0))   # it was never rung

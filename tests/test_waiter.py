@@ -1,8 +1,8 @@
 """A waiter reads its own completion (docs/design.md §4, engine/doorbells.py): result() takes the completion
 rings' doorbells from the engine's I/O thread and reads the rings itself, so a task's reports wake the thread
 waiting for it and not the I/O thread too; whatever else completes the handle (a failure over the reply socket,
-a rank lost, close) wakes that waiter; two threads waiting at once both finish; a record whose doorbell was never
-rung is still read.
+a rank lost, close) wakes that waiter; two threads waiting at once both finish. A record whose doorbell was
+never rung: test_completion_ring.py.
 
 BELL_WAIT_MS, the waiter's bounded sleep, is raised in these tests so that a waiter nobody wakes stays asleep
 instead of being rescued by the bound."""
@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import tempfile
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,13 +20,7 @@ from conftest import cpu_image, deployment, randomize, small_spec, wait_for
 from fastcache import TransferError
 from fastcache.engine import channel as channel_module
 from fastcache.engine import doorbells
-from fastcache.engine.channel import TaskChannel
 from fastcache.engine.doorbells import Doorbells
-from fastcache.engine.handle import TransferHandle
-from fastcache.ipc import protocol
-from fastcache.ipc.done_ring import RingWriter, ring_name
-from fastcache.ipc.queue import remove_socket_dir
-from fastcache.ipc.shm import SharedSegment
 
 
 @pytest.fixture
@@ -72,21 +64,25 @@ def test_a_waiter_reads_its_own_completions_and_the_io_thread_is_not_woken_for_t
         assert len(woken) <= 8, f"the I/O thread woke {len(woken)} times for 40 tasks that were waited on"
 
 
-def failed_while_waiting(backend):
-    """Rank 0's 2nd task, failing over the reply socket only once its waiter (result() with no timeout) sleeps on
-    the doorbell: the transfer manager is stopped until then. Returns (the waiter's thread, what it raised or
-    None in a list, the handle)."""
-    backend.swap_out([1], [1]).result(timeout=10)
+def waiting_on_a_stopped_rank(backend):
+    """Rank 0's transfer manager stopped, a task submitted, and its waiter (result() with no timeout, on a thread)
+    holding the doorbells. Returns (the waiter's thread, a list it puts what it raised or None in, the handle, the
+    stopped pid); the caller resumes the process."""
     pid = backend.transfer_pids[0]
     os.kill(pid, signal.SIGSTOP)
-    try:
-        handle = backend.swap_out([2], [2])
-        outcome = []
-        waiter = threading.Thread(target=lambda: outcome.append(_raised(handle, None)), daemon=True)
-        waiter.start()
-        wait_for(lambda: backend._channel.doorbells.waiter_thread == waiter.ident, 10, "the waiter to take the doorbell")
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    handle = backend.swap_out([2], [2])
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(_raised(handle, None)), daemon=True)
+    waiter.start()
+    wait_for(lambda: backend._channel.doorbells.waiter_thread == waiter.ident, 10, "the waiter to take the doorbells")
+    return waiter, outcome, handle, pid
+
+
+def failed_while_waiting(backend):
+    """Rank 0's 2nd task, failing over the reply socket only once its waiter sleeps on the doorbells."""
+    backend.swap_out([1], [1]).result(timeout=10)
+    waiter, outcome, handle, pid = waiting_on_a_stopped_rank(backend)
+    os.kill(pid, signal.SIGCONT)
     wait_for(handle.done, 10, "the task to fail")
     return waiter, outcome, handle
 
@@ -118,13 +114,8 @@ def test_without_the_wake_a_failed_task_leaves_its_waiter_asleep(monkeypatch, lo
 def test_close_wakes_a_waiter_whose_transfer_manager_is_stopped(long_bell):
     with deployment(small_spec(), tp=1) as (backend, _):
         backend.swap_out([1], [1]).result(timeout=10)
-        pid = backend.transfer_pids[0]
-        os.kill(pid, signal.SIGSTOP)
+        waiter, outcome, _, pid = waiting_on_a_stopped_rank(backend)
         try:
-            handle = backend.swap_out([2], [2])
-            outcome = []
-            waiter = threading.Thread(target=lambda: outcome.append(_raised(handle, 30)))
-            waiter.start()
             backend.close(timeout=3)        # the stopped process is killed, its task failed
             waiter.join(30)
             assert not waiter.is_alive()
@@ -165,37 +156,3 @@ def test_two_threads_waiting_at_once_both_finish_every_block_checked(long_bell):
         assert not errors and not any(t.is_alive() for t in threads), errors
         for r, w in enumerate(workers):
             np.testing.assert_array_equal(backend.cpu_tier(r)[:32], cpu_image(w, list(range(32))))
-
-
-class Ranks:
-    def why_failed(self, rank):
-        return None
-
-    def awaits_pipe(self, rank):
-        return False
-
-
-def test_a_record_whose_doorbell_was_never_rung_is_still_read_by_its_waiter():
-    suffix = f"test{os.getpid()}-{threading.get_ident() % 10_000}"
-    socket_dir = tempfile.mkdtemp(prefix="fastcache-test-waiter.")
-    signals = SimpleNamespace(task_received=np.zeros(1), transfer_heartbeat=np.zeros(1))
-    channel = TaskChannel(bytes(range(16)), SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: None,
-                          Ranks(), lambda: True)
-    channel.start(socket_dir, 1, suffix)
-    try:
-        channel.open_pipe(0, 0)
-        handle = TransferHandle(9, protocol.SWAP_TO_CPU, range(1), 0)
-        handle.reader = channel
-        with channel._handles_lock:
-            channel._handles[9] = handle
-        writer = RingWriter(SharedSegment.attach(ring_name(suffix, 0, 0), suffix), bytes(range(16)), 0, 0)
-        threading.Timer(0.05, lambda: writer.write(9, 4096, 0, 0.001)).start()    # and no doorbell rung
-        handle.result(timeout=10)         # found on the waiter's next bounded sleep
-        assert handle.nbytes == 4096
-        with pytest.raises(BlockingIOError):
-            os.eventfd_read(channel.doorbells.of(0))   # it was never rung
-        writer.close()
-    finally:
-        channel.close("test over")
-        remove_socket_dir(socket_dir)
-    assert not any(name.startswith(f"fastcache.{suffix}.") for name in os.listdir("/dev/shm"))
