@@ -33,7 +33,6 @@ breaks the phase barrier at once, naming the pipe (docs/design.md §12).
 from __future__ import annotations
 
 import logging
-import os
 import select
 import threading
 import time
@@ -399,12 +398,8 @@ class TaskChannel:
         handles = self._handles
         for rank, records, bad in read:
             for task_id, nbytes, skipped, seconds in records:
-                handle = handles.get(task_id)       # one dict read: atomic (a task's handle is added before it is sent)
-                if handle is not None:
-                    handle.rank_finished(rank, None, nbytes, skipped, False, seconds)
-                    if handle.done():
-                        with self._handles_lock:
-                            handles.pop(task_id, None)
+                # one dict read, atomic: a task's handle is added before it is sent
+                self._finish(handles.get(task_id), rank, nbytes=nbytes, skipped=skipped, seconds=seconds)
             if bad:
                 self._warn_once(("ring", rank), f"rank {rank}: completion records {bad[0]}..{bad[-1]} of its ring "
                                                 f"failed authentication (another process wrote to it); asked for "

@@ -21,22 +21,18 @@ from __future__ import annotations
 import hmac
 import struct
 
-import numpy as np
-
 from .naming import segment_name
 from .queue import MAC_BYTES
-from .ring_mac import keyed, mac
+from .ring_mac import COUNT_BYTES, WORD, SignedRing
 
 SLOTS = 256
 PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
 #                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 RECORD = struct.Struct("<QQQd")         # task id, bytes moved, puts skipped, seconds
 RECORD_BYTES = 64                       # commit word, MAC, body, padding
-COUNT_BYTES = 32                        # a count and its MAC
 HEAD_BYTES = 2 * COUNT_BYTES            # the writer's count, then the reader's
 RING_BYTES = HEAD_BYTES + SLOTS * RECORD_BYTES
 DONE, WRITTEN, READ = b"fastcache>done", b"fastcache>wrote", b"fastcache>read"     # MAC personalisations
-WORD = struct.Struct("<Q")
 ID = struct.Struct("<QI")               # the writer's pid and rank, in every MAC
 
 
@@ -45,34 +41,14 @@ def ring_name(suffix: str, rank: int, incarnation: int) -> str:
     return segment_name(suffix, f"done_rank{rank}.{incarnation}")
 
 
-class _Ring:
+class _Ring(SignedRing):
     def __init__(self, segment, token: bytes, rank: int, pid: int):
-        if segment.size < RING_BYTES:
-            raise ValueError(f"completion ring {segment.name}: {segment.size} bytes, expected {RING_BYTES}")
-        self.segment, self.token, self.rank = segment, token, rank
-        self.buf = memoryview(segment.array(np.uint8, (RING_BYTES,)))
-        # the commit words and counts, one aligned 8-byte load or store each (a memoryview: no NumPy scalars)
-        self.words = self.buf.cast("Q")
-        self.who = ID.pack(pid, rank)
-        self._macs = {person: keyed(token, person, self.who) for person in (DONE, WRITTEN, READ)}
+        super().__init__(segment, RING_BYTES, token, ID.pack(pid, rank), (DONE, WRITTEN, READ), "completion ring")
+        self.rank = rank
 
-    def _mac(self, person: bytes, *parts) -> bytes:
-        return mac(self._macs[person], *parts)
-
-    def _put_count(self, offset: int, person: bytes, count: int):
-        self.buf[offset + 8:offset + COUNT_BYTES] = self._mac(person, WORD.pack(count)) + bytes(8)
-        self.words[offset // 8] = count     # the MAC and the count are two stores: a torn read fails the MAC
-
-    def _get_count(self, offset: int, person: bytes) -> int | None:
-        raw = bytes(self.buf[offset:offset + COUNT_BYTES])
-        good = hmac.compare_digest(raw[8:8 + MAC_BYTES], self._mac(person, raw[:8]))
-        return WORD.unpack_from(raw)[0] if good else None
-
-    def close(self):
-        self.words.release()
-        self.buf.release()
-        self.buf = self.words = None
-        self.segment.close()
+    def _count(self, offset: int, person: bytes) -> int | None:
+        raw = self.get_count(offset, person)
+        return None if raw is None else WORD.unpack(raw)[0]
 
 
 class RingWriter(_Ring):
@@ -87,7 +63,7 @@ class RingWriter(_Ring):
     def write(self, task_id: int, nbytes: int, skipped: int, seconds: float) -> bool:
         i = self.written
         if i - self.read >= SLOTS:
-            read = self._get_count(COUNT_BYTES, READ)
+            read = self._count(COUNT_BYTES, READ)
             if read is not None and self.read <= read <= i:
                 self.read = read
                 for old in [k for k in self.log if k < read]:
@@ -97,11 +73,11 @@ class RingWriter(_Ring):
         body = RECORD.pack(task_id, nbytes, skipped, seconds)
         index = WORD.pack(i + 1)
         at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
-        self.buf[at + 8:at + 8 + MAC_BYTES + RECORD.size] = self._mac(DONE, index, body) + body
+        self.buf[at + 8:at + 8 + MAC_BYTES + RECORD.size] = self.mac(DONE, index, body) + body
         self.words[at // 8] = i + 1         # the commit word, last
         self.written = i + 1
         self.log[i] = (task_id, nbytes, skipped, seconds)
-        self._put_count(0, WRITTEN, i + 1)
+        self.put_count(0, WRITTEN, WORD.pack(i + 1))
         return True
 
     def again(self, first: int, last: int) -> list[tuple]:
@@ -128,7 +104,7 @@ class RingReader(_Ring):
         and the indices of records that failed their MAC or were overwritten (to be asked for again)."""
         records, bad = [], []
         i = self.next
-        words, buf, done = self.words, self.buf, self._macs[DONE]
+        words, buf, done = self.words, self.buf, self.keyed[DONE]
         while True:
             at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
             if words[at >> 3] == i + 1:
@@ -145,7 +121,7 @@ class RingReader(_Ring):
                 continue
             if words[0] <= i:
                 break
-            written = self._get_count(0, WRITTEN)
+            written = self._count(0, WRITTEN)
             if written is None or written <= i:
                 break
             if words[at >> 3] == i + 1:
@@ -156,5 +132,5 @@ class RingReader(_Ring):
             self.next = i
             if i - self.published >= PUBLISH_EVERY:     # a MAC per record read would cost more than the rest
                 self.published = i
-                self._put_count(COUNT_BYTES, READ, i)
+                self.put_count(COUNT_BYTES, READ, WORD.pack(i))
         return records, bad

@@ -30,7 +30,7 @@ import numpy as np
 from .naming import segment_name
 from .protocol import FENCE_SLOTS, KV, SWAP_TO_CPU, SWAP_TO_GPU, Fence
 from .queue import MAC_BYTES
-from .ring_mac import keyed, mac
+from .ring_mac import COUNT_BYTES, WORD, SignedRing
 from .shm import SharedSegment
 
 SLOTS = 256
@@ -39,11 +39,9 @@ BODY = struct.Struct("<QQIHBBB3x")      # seq, task id, fence generation, count,
 RECORD_BYTES = 256                      # commit word, MAC, body, the ids, padding
 IDS_AT = 8 + MAC_BYTES + BODY.size      # the ids: count GPU ids, then count CPU ids (int32)
 assert IDS_AT + 2 * 4 * INLINE <= RECORD_BYTES
-COUNT_BYTES = 32                        # a count (and the last number written), and its MAC
 HEAD_BYTES = 2 * COUNT_BYTES            # the writer's count, then the reader's
 RING_BYTES = HEAD_BYTES + SLOTS * RECORD_BYTES
 TASK, WRITTEN, READ = b"fastcache>task", b"fastcache>tasks", b"fastcache>taken"     # MAC personalisations
-WORD = struct.Struct("<Q")
 PAIR = struct.Struct("<QQ")
 ID = struct.Struct("<QI")               # the process's incarnation and rank, in every MAC
 KINDS = {SWAP_TO_CPU: 1, SWAP_TO_GPU: 2}
@@ -93,34 +91,10 @@ class RingError(ValueError):
     """A record that passed its MAC holds a task the protocol does not allow (the text says what)."""
 
 
-class _Ring:
+class _Ring(SignedRing):
     def __init__(self, segment, token: bytes, rank: int, incarnation: int):
-        if segment.size < RING_BYTES:
-            raise ValueError(f"task ring {segment.name}: {segment.size} bytes, expected {RING_BYTES}")
-        self.segment, self.token, self.rank = segment, token, rank
-        self.buf = memoryview(segment.array(np.uint8, (RING_BYTES,)))
-        self.words = segment.array(np.uint64, (RING_BYTES // 8,))   # the commit words and counts, one store each
-        self.who = ID.pack(incarnation, rank)
-        self.keyed = {person: keyed(token, person, self.who) for person in (TASK, WRITTEN, READ)}
-
-    def _mac(self, person: bytes, *parts) -> bytes:
-        return mac(self.keyed[person], *parts)
-
-    def _put_count(self, offset: int, person: bytes, value: bytes):
-        """value (the count first, 8 or 16 bytes) and its MAC; the count's word last."""
-        self.buf[offset + 8:offset + COUNT_BYTES] = (value[8:] + self._mac(person, value)).ljust(COUNT_BYTES - 8,
-                                                                                                 b"\0")
-        self.words[offset // 8] = WORD.unpack_from(value)[0]     # a torn read fails the MAC
-
-    def _get_count(self, offset: int, person: bytes, size: int) -> bytes | None:
-        raw = bytes(self.buf[offset:offset + COUNT_BYTES])
-        good = hmac.compare_digest(raw[size:size + MAC_BYTES], self._mac(person, raw[:size]))
-        return raw[:size] if good else None
-
-    def close(self):
-        self.buf.release()
-        self.buf = self.words = None
-        self.segment.close()
+        super().__init__(segment, RING_BYTES, token, ID.pack(incarnation, rank), (TASK, WRITTEN, READ), "task ring")
+        self.rank = rank
 
 
 class TaskRingWriter(_Ring):
@@ -168,7 +142,7 @@ class TaskRingWriter(_Ring):
         return True
 
     def _room(self, i: int) -> bool:
-        read = self._get_count(COUNT_BYTES, READ, 8)
+        read = self.get_count(COUNT_BYTES, READ)
         if read is not None and self.read <= WORD.unpack(read)[0] <= i:
             self.read = WORD.unpack(read)[0]
         return i - self.read < SLOTS
@@ -182,7 +156,7 @@ class TaskRingWriter(_Ring):
         thread, every 100 ms, under the submit lock): the reader then knows a record missing below it was
         destroyed, not late."""
         if self.published != self.written:
-            self._put_count(0, WRITTEN, PAIR.pack(self.written, self.last_seq))
+            self.put_count(0, WRITTEN, PAIR.pack(self.written, self.last_seq))
             self.published = self.written
 
     def close(self):
@@ -208,7 +182,7 @@ class TaskRingReader(_Ring):
         if it has not, or what is there fails its MAC."""
         raw = bytes(self.buf[:COUNT_BYTES])
         if raw != self.last_head:       # checked once per value the engine publishes
-            good = hmac.compare_digest(raw[PAIR.size:PAIR.size + MAC_BYTES], self._mac(WRITTEN, raw[:PAIR.size]))
+            good = hmac.compare_digest(raw[PAIR.size:PAIR.size + MAC_BYTES], self.mac(WRITTEN, raw[:PAIR.size]))
             self.last_head, self.head_value = raw, PAIR.unpack_from(raw) if good else (0, 0)
         return self.head_value
 
@@ -225,7 +199,7 @@ class TaskRingReader(_Ring):
                 count = BODY.unpack_from(raw, 8 + MAC_BYTES)[3]
                 end = IDS_AT + 8 * min(count, INLINE)
                 if raw[:8] == WORD.pack(i + 1) and hmac.compare_digest(
-                        raw[8:8 + MAC_BYTES], self._mac(TASK, raw[:8], raw[8 + MAC_BYTES:end])):
+                        raw[8:8 + MAC_BYTES], self.mac(TASK, raw[:8], raw[8 + MAC_BYTES:end])):
                     try:
                         records.append(self._task(raw))
                     except RingError as exc:
@@ -239,7 +213,7 @@ class TaskRingReader(_Ring):
             break
         if i != self.next:
             self.next = i
-            self._put_count(COUNT_BYTES, READ, WORD.pack(i))
+            self.put_count(COUNT_BYTES, READ, WORD.pack(i))
         return records, bad, malformed
 
     def _task(self, raw: bytes) -> Record:
