@@ -37,16 +37,22 @@ def ids_with_runs(rng, gpu_blocks, cpu_blocks, n=8):
     return np.array(gpu), np.array(cpu)
 
 
-def check_round_trip(backend, workers, rng):
-    """Swap out random blocks, overwrite every GPU byte, swap in elsewhere: check CPU and GPU bytes.
-    A draft layer's rows exist only below its num_blocks; its other CPU rows must keep their bytes."""
+def one_block(rng, gpu_blocks, cpu_blocks):
+    """One random GPU id and one random CPU id (a one-block task: the copier's one-block path)."""
+    return rng.integers(0, gpu_blocks, 1), rng.integers(0, cpu_blocks, 1)
+
+
+def check_round_trip(backend, workers, rng, pick=ids_with_runs):
+    """Swap out random blocks (pick(rng, GPU blocks, CPU blocks) -> the ids), overwrite every GPU byte, swap in
+    elsewhere: check CPU and GPU bytes. A draft layer's rows exist only below its num_blocks; its other CPU rows
+    must keep their bytes."""
     spec = backend.spec
     ranks = range(len(workers))
     for w in workers:
         randomize(w, rng)
     for r in ranks:
         backend.cpu_tier(r)[...] = rng.integers(0, 256, backend.cpu_tier(r).shape, dtype=np.uint8)
-    src, cpu = ids_with_runs(rng, spec.num_gpu_blocks, spec.num_cpu_blocks)
+    src, cpu = pick(rng, spec.num_gpu_blocks, spec.num_cpu_blocks)
     before = [[rows.copy() for rows in all_tensors(w)] for w in workers]
     tier_before = [backend.cpu_tier(r).copy() for r in ranks]
     h = backend.swap_out(src, cpu)
@@ -62,7 +68,7 @@ def check_round_trip(backend, workers, rng):
     tier = [backend.cpu_tier(r).copy() for r in ranks]
     for w in workers:
         randomize(w, rng)                           # overwrite everything, the sources included
-    dst, _ = ids_with_runs(rng, spec.num_gpu_blocks, spec.num_cpu_blocks)
+    dst, _ = pick(rng, spec.num_gpu_blocks, spec.num_cpu_blocks)
     between = [[rows.copy() for rows in all_tensors(w)] for w in workers]
     backend.swap_in(dst, cpu).result(timeout=20)
     for r, w in zip(ranks, workers):
@@ -80,6 +86,15 @@ def test_round_trip(layout, tp):
     rng = np.random.default_rng(abs(hash((layout, tp))) % 2**32)
     with deployment(small_spec(**LAYOUTS[layout]), tp=tp) as (backend, workers):
         check_round_trip(backend, workers, rng)
+
+
+@pytest.mark.parametrize("layout", ["bf16_kv", "extra_layers", "4k_rows_extra_layers", "odd_rows"])
+def test_one_block_round_trips(layout):
+    """One-block tasks, blocks with and without a draft layer's rows among them, every byte checked."""
+    rng = np.random.default_rng(abs(hash(("one", layout))) % 2**32)
+    with deployment(small_spec(**LAYOUTS[layout]), tp=2) as (backend, workers):
+        for _ in range(8):
+            check_round_trip(backend, workers, rng, pick=one_block)
 
 
 def test_the_large_row_layouts_reach_the_run_by_run_path():
