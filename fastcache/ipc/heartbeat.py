@@ -5,6 +5,7 @@ a stopped (SIGSTOP) or dead process goes silent.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -32,6 +33,8 @@ class Heartbeat(threading.Thread):
 
 
 def process_alive(pid: int) -> bool:
+    if pid == os.getppid():         # a parent is alive while it has us: an exited one hands its children on at once
+        return True
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:

@@ -113,14 +113,13 @@ class TransferManager:
         poller.register(self.done_pull, zmq.POLLIN)
         if self.task_ring is not None:
             poller.register(self.task_doorbell, zmq.POLLIN)
-        idle = 1000 if self.task_ring is None else RING_WAIT      # a lost doorbell waits for this at most
         spin = self.settings.spin_us / 1e6 if self.task_ring is not None else 0.0
         self.heartbeat.start()
         while True:
             # poll briefly only while something is about to become ready; a cleared cache just sleeps
             waiting = self.phase in ("clearing", "restoring") or \
                 (self.phase == "running" and (self.cache is None or self.swap is None))
-            events = dict(poller.poll(5 if waiting else idle))
+            events = dict(poller.poll(5 if waiting else IDLE_WAIT))
             if self.done_pull in events:
                 self._drain_completions()
             if self.task_ring is not None and self.task_doorbell in events:
@@ -530,7 +529,7 @@ class TransferManager:
 
 
 EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)     # plain ints: the flag enums cost more than the look
-RING_WAIT = 100       # ms: the longest a task in the ring waits for a wake-up whose doorbell was lost
+IDLE_WAIT = 1000      # ms: an idle process's sleep, the longest a task whose doorbell was lost waits for a wake-up
 
 # one executor thread per direction, and one for the weight group: a stream waits for the forward, and must
 # not hold up the cache's swaps meanwhile
