@@ -81,6 +81,7 @@ def zmq_floor(tp, samples):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     latencies = []
+    cpu = time.process_time()
     for task_id in range(samples):
         start = time.perf_counter()
         event = threading.Event()
@@ -90,6 +91,7 @@ def zmq_floor(tp, samples):
             push.send_multipart([b"%d" % task_id, b"gpu ids", b"cpu ids"])
         event.wait(10)
         latencies.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu
     for push in pushes:
         push.send_multipart([b"stop"])
     for pid in children:
@@ -104,7 +106,7 @@ def zmq_floor(tp, samples):
     for name in os.listdir(socket_dir):
         os.unlink(os.path.join(socket_dir, name))
     os.rmdir(socket_dir)
-    return latencies
+    return latencies, cpu
 
 
 def semaphore_rank(there, back):
@@ -127,6 +129,7 @@ def semaphore_floor(tp, samples):
     back = posix_ipc.Semaphore(f"/queue-floor.{tag}.back", posix_ipc.O_CREX, mode=0o600)
     children = [fork(semaphore_rank, there[r].name, back.name) for r in range(tp)]
     latencies = []
+    cpu = time.process_time()
     for _ in range(samples):
         start = time.perf_counter()
         for sem in there:
@@ -134,6 +137,7 @@ def semaphore_floor(tp, samples):
         for _ in range(tp):
             back.acquire(10)
         latencies.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu
     open(STOP_FILE[0], "w").close()
     for sem in there:
         sem.release()
@@ -144,7 +148,7 @@ def semaphore_floor(tp, samples):
         sem.close()
     os.unlink(STOP_FILE[0])
     os.rmdir(stop_dir)
-    return latencies
+    return latencies, cpu
 
 
 def eventfd_rank(there, back):
@@ -185,6 +189,7 @@ def eventfd_floor(tp, samples):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     latencies = []
+    cpu = time.process_time()
     for i in range(samples):
         start = time.perf_counter()
         event = threading.Event()
@@ -194,6 +199,7 @@ def eventfd_floor(tp, samples):
             os.eventfd_write(fd, 1)
         event.wait(10)
         latencies.append(time.perf_counter() - start)
+    cpu = time.process_time() - cpu
     for fd in there:
         os.eventfd_write(fd, 2)
     for pid in children:
@@ -202,20 +208,22 @@ def eventfd_floor(tp, samples):
     thread.join(10)
     for fd in there + [back]:
         os.close(fd)
-    return latencies
+    return latencies, cpu
 
 
 FLOORS = {"zmq": zmq_floor, "semaphore": semaphore_floor, "eventfd": eventfd_floor}
 
 
 def measure(tp: int, samples: int) -> dict:
-    """{way: {p50_us, p99_us, samples}} for each way of building the floor, measured one after another."""
+    """{way: {p50_us, p99_us, samples, engine_cpu_us}} for each way of building the floor, measured one after
+    another; engine_cpu_us is the submitting process's CPU time per round trip (all its threads, zmq's
+    included), the least the engine's side of a task costs built that way."""
     out = {}
     for name, floor in FLOORS.items():
-        latencies = floor(tp, samples)
+        latencies, cpu = floor(tp, samples)
         steady = np.array(latencies[len(latencies) // 10:]) * 1e6
         out[name] = {"p50_us": float(np.percentile(steady, 50)), "p99_us": float(np.percentile(steady, 99)),
-                     "samples": len(steady)}
+                     "samples": len(steady), "engine_cpu_us": cpu / samples * 1e6}
     return out
 
 
@@ -231,7 +239,8 @@ def main():
         return
     for name, fig in figures.items():
         print(f"tp={args.tp} {name:9s}: empty task round trip p50 {fig['p50_us']:7.1f} µs, "
-              f"p99 {fig['p99_us']:7.1f} µs over {fig['samples']} samples")
+              f"p99 {fig['p99_us']:7.1f} µs over {fig['samples']} samples, engine CPU {fig['engine_cpu_us']:5.1f} µs "
+              f"per round trip")
 
 
 if __name__ == "__main__":

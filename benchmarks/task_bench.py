@@ -5,7 +5,9 @@ benchmarks/queue_floor.py measured in the same run:
   - engine CPU per task: the CPU time of the submitting thread and of the engine's I/O thread (which reads the
     replies and completes the handles), each read from its thread's own CPU clock, and of the whole engine
     process (its in-process workers' heartbeat threads included);
-  - pipelined one-block tasks per second, WINDOW tasks in flight.
+  - pipelined one-block tasks per second, WINDOW tasks in flight;
+  - the floors' own engine CPU per round trip (the submitting process's, all threads), and the task's as a
+    multiple of each: what the bare wake-ups cost the engine in Python, with no record, MAC or handle.
 
 Every swapped block is checked bit for bit against the random bytes it came from.
 
@@ -134,6 +136,7 @@ def main():
         fig = measure(tp, args.tasks, args.device)
         fig["floors"] = floors
         fig["x_floor"] = {name: fig["p50_us"] / f["p50_us"] for name, f in floors.items()}
+        fig["cpu_x_floor"] = {name: fig["engine_cpu_us"] / f["engine_cpu_us"] for name, f in floors.items()}
         results[tp] = fig
         if not args.json:
             print(f"tp={tp}: one-block p50 {fig['p50_us']:.0f} µs, p99 {fig['p99_us']:.0f} µs; "
@@ -141,6 +144,8 @@ def main():
             print(f"      engine CPU per task {fig['engine_cpu_us']:.0f} µs (submitting thread {fig['submit_cpu_us']:.0f}, "
                   f"I/O thread {fig['io_cpu_us']:.0f}; whole process {fig['process_cpu_us']:.0f}); "
                   f"pipelined {fig['pipelined_per_s']:.0f} tasks/s; wrong blocks {fig['wrong_blocks']}")
+            print("      the floors' engine CPU per round trip: " + ", ".join(
+                f"{n} {f['engine_cpu_us']:.0f} µs (x{fig['cpu_x_floor'][n]:.2f})" for n, f in floors.items()))
     if args.json:
         print(json.dumps(results))
     return 1 if any(f["wrong_blocks"] for f in results.values()) else 0

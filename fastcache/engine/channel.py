@@ -55,6 +55,7 @@ log = logging.getLogger("fastcache.engine")
 PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer manager's task pipe
 PING_AFTER = 0.1          # seconds a phase command may stay unread before its rank is sent a no-op behind it
 MAX_PINGS = 100           # per phase command: the phase's own timeout covers a rank that reads nothing at all
+EXIT_LOOK = 0.001         # seconds between send_all's looks at a process that has not read its tasks
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TaskChannel:
         self._reading = threading.RLock()           # one thread at a time reads the completion rings and completes
         self._task_rings: dict[int, TaskRingWriter] = {}    # rank -> its process's task ring (open_pipe), if on
         self._pipe_seq: dict[int, int] = {}         # rank -> number of the last message sent on its task pipe
+        self._exit_looked: dict[int, float] = {}    # rank -> when send_all last looked whether its process exited
         self._io_stop = threading.Event()
 
     # -- start and close ---------------------------------------------------------------------------
@@ -315,8 +317,8 @@ class TaskChannel:
         while not self._io_stop.is_set():
             bells = self.doorbells
             for fd, _ in epoll.poll(0.1):   # a lost doorbell costs this at most
-                if fd in bells:
-                    doorbells.clear(fd)
+                if fd == bells.fileno():
+                    bells.clear_rung()
             self.read_rings()
             # zmq's descriptor only says that the socket's state may have changed: its events say what changed
             while router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -429,8 +431,11 @@ class TaskChannel:
                     continue
                 if record is not None and rank in self._task_rings:
                     # a ring takes records for a dead process, unlike a pipe: while the process has not read
-                    # what was sent before, look at it (a waitpid) before writing one more
-                    if received[rank] < self._sent_seq[rank] and self._ranks.check_exit(rank):
+                    # what was sent before, look at it (a waitpid) before writing one more, once a millisecond
+                    # at most (a waitpid lets the I/O thread take the GIL: per record, it costs pipelined
+                    # tasks a tenth of their rate)
+                    if received[rank] < self._sent_seq[rank] and self._exit_due(rank) and \
+                            self._ranks.check_exit(rank):
                         self._finish(handle, rank, self._ranks.why_failed(rank), lost=True)
                         continue
                     if self._ring_send(rank, record, handle, received):
@@ -439,6 +444,15 @@ class TaskChannel:
                     self._ranks.check_exit(rank)
                     self._finish(handle, rank, self._ranks.why_failed(rank) or "transfer manager not connected",
                                  lost=True)
+
+    def _exit_due(self, rank) -> bool:
+        """Whether send_all should look at rank's process now (under _submit_lock): not within EXIT_LOOK of the
+        last look."""
+        now = time.monotonic()
+        if now - self._exit_looked.get(rank, 0.0) < EXIT_LOOK:
+            return False
+        self._exit_looked[rank] = now
+        return True
 
     def _ring_send(self, rank, record, handle, received) -> bool:
         """Write the task in rank's task ring, numbered next on the rank's pipe (under _submit_lock). Only once

@@ -1,8 +1,10 @@
 """The completion rings' doorbells (docs/design.md §4): one eventfd per rank, which every process of that rank
 inherits at spawn and rings after each record it writes in its completion ring.
 
-The engine's I/O thread sleeps on all of them in its epoll. A thread waiting for a handle (result()) takes them
-out of that set for its wait (epoll lets it do so without waking the I/O thread) and sleeps on one at a time:
+The doorbells are in an epoll set of their own, itself in the engine's I/O thread's epoll: the I/O thread
+sleeps on all of them there. A thread waiting for a handle (result()) takes that set out of the I/O thread's
+for its wait (epoll lets it do so without waking the I/O thread; one call, however many ranks) and sleeps on one
+doorbell at a time:
 the one of the rank it expects to report last, so that a task whose ranks report apart still wakes it once; a
 rank that reports meanwhile wakes nobody, and its record is read with the last one. Whatever else completes the
 handle (a failure over the reply socket, a rank lost, close) rings the waiter's own eventfd. Every sleep is
@@ -29,13 +31,15 @@ def clear(fd: int):
 
 
 class Doorbells:
-    """The doorbells of the ranks, registered in `epoll` (the I/O thread's) unless a waiter holds them."""
+    """The doorbells of the ranks, in an epoll set registered in `epoll` (the I/O thread's) unless a waiter holds
+    them."""
 
     def __init__(self, epoll):
         self._epoll = epoll
+        self._set = select.epoll()              # every doorbell
+        self._epoll.register(self._set.fileno(), select.EPOLLIN)
         self._fds: dict[int, int] = {}          # rank -> its doorbell
-        self._lock = threading.Lock()           # the doorbells and their place in the epoll
-        self._taken: list[int] = []             # the doorbells a waiter took out of the epoll
+        self._lock = threading.Lock()           # the doorbells and their set's place in the I/O thread's epoll
         self.owner = threading.Lock()           # held by that waiter for its whole wait
         self._owner_thread = None
         self._waiter_bell = _eventfd()          # rung for the waiter when another thread completes its handle
@@ -50,23 +54,27 @@ class Doorbells:
             fd = self._fds.get(rank)
             if fd is None:
                 fd = self._fds[rank] = _eventfd()
-                self._epoll.register(fd, select.EPOLLIN)    # the I/O thread reads it (a waiter holding the others too)
+                self._set.register(fd, select.EPOLLIN)
                 sleep = self._sleeps[rank] = select.poll()
                 sleep.register(fd, select.POLLIN)
                 sleep.register(self._waiter_bell, select.POLLIN)
                 self._any.register(fd, select.POLLIN)
             return fd
 
-    def __contains__(self, fd) -> bool:
-        return fd in self._fds.values()
+    def fileno(self) -> int:
+        """The set's descriptor, which the I/O thread's epoll reports when a doorbell rang."""
+        return self._set.fileno()
+
+    def clear_rung(self):
+        """The I/O thread's: clear the doorbells that rang (it reads the rings next)."""
+        for fd, _ in self._set.poll(0):
+            clear(fd)
 
     # -- a waiter's turn (under owner) ---------------------------------------------------------------
     def take(self):
         """Out of the I/O thread's epoll, for this thread's wait."""
         with self._lock:
-            self._taken = list(self._fds.values())
-            for fd in self._taken:
-                self._epoll.unregister(fd)
+            self._epoll.unregister(self._set.fileno())
         self._owner_thread = threading.get_ident()
 
     def sleep(self, pending, ms: int):
@@ -87,9 +95,7 @@ class Doorbells:
         if rang:
             read()          # a record whose ring was just cleared is read now, not at the I/O thread's bound
         with self._lock:
-            for fd in self._taken:
-                self._epoll.register(fd, select.EPOLLIN)
-            self._taken = []
+            self._epoll.register(self._set.fileno(), select.EPOLLIN)
 
     def wake_waiter(self):
         """A handle the waiter waits for was completed by another thread."""
@@ -107,3 +113,4 @@ class Doorbells:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds + [self._waiter_bell]:
             os.close(fd)
+        self._set.close()
