@@ -34,17 +34,20 @@ def test_cli_rejects_bad_arguments_clearly():
 
 
 def run_time(pid):
-    """(CPU-seconds, times put on a CPU) of all of pid's threads, from the scheduler's own counts (nanoseconds:
-    psutil's CPU times come in 10 ms ticks, too coarse for an idle process)."""
-    seconds = runs = 0
+    """(CPU-seconds, sleeps) of all of pid's threads, from the scheduler's own counts: the CPU time in nanoseconds
+    (psutil's comes in 10 ms ticks, too coarse for an idle process), and the voluntary context switches, each a
+    sleep and so a wake-up (preemptions on a busy machine are not counted)."""
+    seconds = sleeps = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns, _, count = f.read().split()
+                ns = f.read().split()[0]
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                switches = next(line for line in f if line.startswith("voluntary_ctxt_switches"))
         except FileNotFoundError:           # a thread that just ended
             continue
-        seconds, runs = seconds + int(ns) / 1e9, runs + int(count)
-    return seconds, runs
+        seconds, sleeps = seconds + int(ns) / 1e9, sleeps + int(switches.split()[1])
+    return seconds, sleeps
 
 
 def idle_cost(pids, seconds):
