@@ -5,7 +5,9 @@ installed: run it with the vllm environment):
 
   - round trip (submit -> the job's TransferResult) p50/p99 of store and load jobs;
   - engine CPU per job: the CPU time of the submitting thread (the worker's own bookkeeping included) and of
-    the engine's I/O thread, each read from its thread's CPU clock.
+    the engine's I/O thread, each read from its thread's CPU clock;
+  - both as multiples of benchmarks/queue_floor.py's floors at tp=1, measured in the same run (the round trip,
+    and the floor's own engine CPU per round trip).
 
 The worker is a one-rank deployment (each vLLM worker process runs its own). Every stored chunk and every loaded
 block is checked bit for bit against the random bytes it came from.
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from task_bench import thread_clock  # noqa: E402
+import queue_floor  # noqa: E402
 
 NUM_BLOCKS, NUM_CHUNKS = 512, 256
 TENSORS, PAGE = 16, 8192            # 128 KiB per block, as task_bench's geometry per rank
@@ -122,7 +125,13 @@ def main():
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    floors = queue_floor.measure(1, args.jobs)
     fig = measure(args.jobs)
+    fig["floors"] = floors
+    for kind in ("store", "load"):
+        f = fig[kind]
+        f["x_floor"] = {name: f["p50_us"] / floor["p50_us"] for name, floor in floors.items()}
+        f["cpu_x_floor"] = {name: f["engine_cpu_us"] / floor["engine_cpu_us"] for name, floor in floors.items()}
     if args.json:
         print(json.dumps(fig))
     else:
@@ -131,6 +140,10 @@ def main():
             print(f"vLLM {kind} job (one block): p50 {f['p50_us']:.0f} µs, p99 {f['p99_us']:.0f} µs; engine CPU per job "
                   f"{f['engine_cpu_us']:.0f} µs (submitting thread {f['submit_cpu_us']:.0f}, I/O thread "
                   f"{f['io_cpu_us']:.0f})")
+            print("      x the floors (p50; engine CPU): " + ", ".join(
+                f"{n} {f['x_floor'][n]:.2f}x; {f['cpu_x_floor'][n]:.2f}x" for n in floors))
+        print("tp=1 floors: " + ", ".join(f"{n} p50 {fl['p50_us']:.0f} µs, engine CPU {fl['engine_cpu_us']:.0f} µs"
+                                          for n, fl in floors.items()))
         print(f"wrong blocks {fig['wrong_blocks']}")
     return 1 if fig["wrong_blocks"] else 0
 
