@@ -594,20 +594,22 @@ class ShadowPolicy(LapsPolicy):
         if keys:
             head = shadow.get(keys[0]) or older.get(keys[0], 0)
             if head > floor and head > self._cut:
-                stamps = list(map(shadow.get, keys, repeat(0)))
-                if older and 0 in stamps:
-                    stamps = [s or older.get(k, 0) for k, s in zip(keys, stamps)]
-                low, newest = min(stamps), max(stamps)      # all in the shadow, all in the older half of
+                named = list(map(shadow.get, keys, repeat(0)))
+                if older and 0 in named and keys[named.index(0)] in older:  # (in one generation at most)
+                    named = list(map(older.get, keys, named))
+                low, newest = min(named), max(named)        # all in the shadow, all in the older half of
                 back = low > floor and low > self._cut and tick - newest > (tick - floor) // 2  # its stamps
         self._backs += (back - self._backs) * self.RATE
         if back:                                # the GPU let these go, and whatever it used before them
             self._floor = newest
-        elif keys:
-            if older and not older.keys().isdisjoint(keys):     # named again: out of the older generation
+        elif keys:                              # into the shadow at its most recent end, head last
+            if head:                            # named again: out of the newer generation first
+                deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
+            if older and not older.keys().isdisjoint(keys):     # and out of the older one
                 self._older_kept -= sum(map(self._cut.__lt__, map(older.pop, keys, repeat(0))))
             before, stamps = len(shadow), range(tick + 1, tick + 1 + len(keys))
             shadow.update(zip(reversed(keys), stamps))
-            if len(shadow) - before != len(keys):   # named again: to the most recent end (stamps stay sorted)
+            if len(shadow) - before != len(keys):   # some were in it after all: moved to the end
                 deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
                 shadow.update(zip(reversed(keys), stamps))
             self._tick = tick + len(keys)
