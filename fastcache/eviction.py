@@ -26,7 +26,7 @@ within 6-15% in a real store call, and on vLLM's engine computes fewer prefill t
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from itertools import chain, islice, repeat
+from itertools import islice, repeat
 
 DEFAULT_POLICY = "probation"
 
@@ -571,54 +571,44 @@ class ShadowPolicy(LapsPolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        # the shadow: key -> stamp, in stamp order, in two generations: the newest keys (_shadow) and the
-        # ones before (_older), of which only those stamped above _cut are in the shadow. The shadow keeps
-        # the newest capacity of its keys once it holds more than two: _older then becomes the newest
-        # generation (no copy), its first keys cut. Above the floor: the keys the GPU holds as the calls show.
-        self._shadow: dict = {}
-        self._older: dict = {}
-        self._cut = 0                               # the newest stamp cut from the shadow
-        self._older_kept = 0                        # keys of _older stamped above the cut
+        self._shadow: dict = {}                     # key -> stamp, in stamp order: above the floor, the keys
+        #                                             the GPU holds as the calls show it
         self._tick = 0                              # keys named by store calls that were not write-backs
         self._floor = 0                             # the newest stamp the GPU has let go
         self._backs = 0.0                           # write-backs per store call (a moving average)
         self._lent: set = set()                     # protected keys given up while the GPU held them
-        self._steps = (max(1.0, self.NWB_STEP * capacity), max(1.0, self.STEP * capacity))
+        self._steps = (max(1.0, self.NWB_STEP * capacity), max(1.0, self.STEP * capacity))  # room's, by
+        #                                             whether write-backs are seen
 
     def write_back_seen(self) -> bool:
         """whether the calls show a GPU that stores what it evicts"""
         return self._backs >= self.ON
 
     def stored(self, keys, new):
-        shadow, older, floor, tick, back = self._shadow, self._older, self._floor, self._tick, False
-        if keys:
-            head = shadow.get(keys[0]) or older.get(keys[0], 0)
-            if head > floor and head > self._cut:
-                named = list(map(shadow.get, keys, repeat(0)))
-                if older and 0 in named and keys[named.index(0)] in older:  # (in one generation at most)
-                    named = list(map(older.get, keys, named))
-                low, newest = min(named), max(named)        # all in the shadow, all in the older half of
-                back = low > floor and low > self._cut and tick - newest > (tick - floor) // 2  # its stamps
+        shadow, floor, tick, back = self._shadow, self._floor, self._tick, False
+        head = shadow.get(keys[0], 0) if keys else 0
+        if head > floor:
+            stamps = list(map(shadow.get, keys, repeat(0)))
+            newest = max(stamps)                # all in the shadow, all in the older half of its stamps:
+            back = min(stamps) > floor and tick - newest > (tick - floor) // 2     # a write-back
         self._backs += (back - self._backs) * self.RATE
         if back:                                # the GPU let these go, and whatever it used before them
             self._floor = newest
-        elif keys:                              # into the shadow at its most recent end, head last
-            if head:                            # named again: out of the newer generation first
-                deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
-            if older and not older.keys().isdisjoint(keys):     # and out of the older one
-                self._older_kept -= sum(map(self._cut.__lt__, map(older.pop, keys, repeat(0))))
-            before, stamps = len(shadow), range(tick + 1, tick + 1 + len(keys))
-            shadow.update(zip(reversed(keys), stamps))
-            if len(shadow) - before != len(keys):   # some were in it after all: moved to the end
+        elif keys:                              # to the most recent end, head last (stamps stay sorted)
+            stamps = range(tick + 1, tick + 1 + len(keys))
+            if head:                            # named again (the head at least): out first
                 deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
                 shadow.update(zip(reversed(keys), stamps))
+            else:                               # new keys, the common case: in with no look before; the
+                before = len(shadow)            # count says whether any was there after all
+                shadow.update(zip(reversed(keys), stamps))
+                if len(shadow) - before != len(keys):   # some were (kept their places): moved to the end
+                    deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
+                    shadow.update(zip(reversed(keys), stamps))
             self._tick = tick + len(keys)
-            if len(shadow) + self._older_kept > 2 * self.capacity:  # the newest capacity of keys are kept:
-                self._cut = cut = next(islice(shadow.values(), len(shadow) - self.capacity - 1, None))
-                self._older, self._shadow, self._older_kept = shadow, {}, self.capacity     # all in _shadow
-                lent = self._lent
-                if lent:
-                    lent.difference_update([key for key in lent if shadow.get(key, 0) <= cut])
+            if len(shadow) > 2 * self.capacity:     # bounded: the newest capacity of keys are kept
+                self._shadow = shadow = dict(islice(shadow.items(), len(shadow) - self.capacity, None))
+                self._lent.intersection_update(shadow)
         self._step = self._steps[1] if self.write_back_seen() else self._steps[0]
         super().stored(keys, new)
 
@@ -638,9 +628,9 @@ class ShadowPolicy(LapsPolicy):
         taken = take_oldest(self._probation, n, skip)
         held, prot = [], self._protected
         if len(taken) < n:
-            floor = max(self._floor, self._cut)     # the older generation's keys at or below the cut are out
-            for key, stamp in chain(reversed(self._shadow.items()), reversed(self._older.items())):
-                if stamp <= floor:                  # the GPU's most recent first, down to the floor
+            floor = self._floor
+            for key, stamp in reversed(self._shadow.items()):   # the GPU's most recent first
+                if stamp <= floor:
                     break
                 if key in prot and (skip is None or not skip(key)):
                     held.append(key)
@@ -659,9 +649,8 @@ class ShadowPolicy(LapsPolicy):
     def clear(self):
         super().clear()
         self._shadow.clear()
-        self._older.clear()
         self._lent.clear()
-        self._tick, self._floor, self._backs, self._cut, self._older_kept = 0, 0, 0.0, 0, 0
+        self._tick, self._floor, self._backs = 0, 0, 0.0
 
 
 def oldest_of_two(first: OrderedDict, second: OrderedDict, n: int, limit: int, skip=None):
