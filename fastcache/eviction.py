@@ -557,10 +557,13 @@ class ShadowPolicy(LapsPolicy):
     the GPU drops its victims there); a write-back's keys protected only when they were lent or ghosts (protecting every write-back
     gains 2.8 points on agent at 2,000 blocks and loses 2.8 on documents); while room is above 0 and
     protected over it, adaptive's order (GPU-first there too loses 0.5 point on agent at 2,000 blocks).
-    Costs: laps', plus per store call a disjointness check and an insert per key (a plain dict: its
-    order is the stamps'), and per victims call under write-back a scan of the shadow from its most recent
-    end down to the floor.
-    In the real call a store 1.30-1.34x lru's, a load 1.06-1.07x (over the 1.2x a default may cost).
+    Costs: laps', plus per store call a lookup of its head and an insert per key (a plain dict: its order
+    is the stamps'; a head not in it means new keys, inserted with no look before, the count showing any
+    that were there), a rebuild of the newest capacity of keys each time it holds more than two, and per
+    victims call under write-back a scan of the shadow from its most recent end down to the floor. In the
+    real call (`python benchmarks/tier_bench.py --policy lru,laps,shadow`) a store 1.19-1.26x lru's, a load
+    1.02-1.17x (over the 1.2x a default may cost; laps' store 1.05-1.10x in the same runs: the insert per
+    key is most of the difference, and exact write-back reading needs it, since any key can head a store).
     Not the default: at 2,000 and 4,000 blocks it is strictly above lru, arc and probation at 13 of 28 points.
     """
 
