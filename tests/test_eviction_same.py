@@ -218,7 +218,8 @@ class Laps(Adaptive):
             else:
                 origin = old.pop(key)
                 old_kinds[origin] -= 1
-            without, after = (kinds[FROM_PROTECTED] + old_kinds[FROM_PROTECTED], kinds[AFTER_LAP] + old_kinds[AFTER_LAP])
+            without = kinds[FROM_PROTECTED] + old_kinds[FROM_PROTECTED]
+            after = kinds[AFTER_LAP] + old_kinds[AFTER_LAP]
             if origin == FROM_PROTECTED:
                 target -= step * max(1.0, after / max(without, 1))
             elif origin == AFTER_LAP:
@@ -332,7 +333,8 @@ class Shadow(Laps):
         return returned
 
     def victims(self, n, skip=None):
-        if n <= 0 or not self.write_back_seen() or (self._room > 0 and len(self._protected) > int(self.capacity - self._room)):
+        if n <= 0 or not self.write_back_seen() or (
+                self._room > 0 and len(self._protected) > int(self.capacity - self._room)):
             return super().victims(n, skip)
         taken = take_oldest(self._probation, n, skip)
         held, prot = ([], self._protected)
@@ -449,6 +451,8 @@ def replay(pol, shape, write_back, l3=False, requests=4000, seed=5, gpu_blocks=3
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 @pytest.mark.parametrize("write_back", [True, False])
 def test_the_same_victims_as_the_reference_on_the_trace_model(name, write_back):
+    """Each shape at a tier twice its GPU, five times with an L3 below, and a third of it (the GPU keeps
+    blocks longer than the shadow does)."""
     reached = set()
     for shape in trace_gen.SHAPES:
         for capacity, gpu_blocks, l3 in ((600, 300, False), (1500, 300, True), (300, 900, False)):
