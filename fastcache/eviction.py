@@ -497,7 +497,7 @@ class LapsPolicy(AdaptivePolicy):
             out = super().victims(n, skip)
         else:                                           # protected is within its room: probation first
             taken = take_oldest(self._probation, n, skip)
-            rest = self._take_protected(n - len(taken), skip)
+            rest = self._take_protected(n - len(taken), skip) if len(taken) < n else []
             out = taken + rest
             self._remember(taken, rest)
         return out
@@ -557,10 +557,13 @@ class ShadowPolicy(LapsPolicy):
     the GPU drops its victims there); a write-back's keys protected only when they were lent or ghosts (protecting every write-back
     gains 2.8 points on agent at 2,000 blocks and loses 2.8 on documents); while room is above 0 and
     protected over it, adaptive's order (GPU-first there too loses 0.5 point on agent at 2,000 blocks).
-    Costs: laps', plus per store call a disjointness check and an insert per key (a plain dict: its
-    order is the stamps'), and per victims call under write-back a scan of the shadow from its most recent
-    end down to the floor.
-    In the real call a store 1.30-1.34x lru's, a load 1.06-1.07x (over the 1.2x a default may cost).
+    Costs: laps', plus per store call a lookup of its head and an insert per key (a plain dict: its order
+    is the stamps'; a head not in it means new keys, inserted with no look before, the count showing any
+    that were there), a rebuild of the newest capacity of keys each time it holds more than two, and per
+    victims call under write-back a scan of the shadow from its most recent end down to the floor. In the
+    real call (`python benchmarks/tier_bench.py --policy lru,laps,shadow`) a store 1.19-1.26x lru's, a load
+    1.02-1.17x (over the 1.2x a default may cost; laps' store 1.05-1.10x in the same runs: the insert per
+    key is most of the difference, and exact write-back reading needs it, since any key can head a store).
     Not the default: at 2,000 and 4,000 blocks it is strictly above lru, arc and probation at 13 of 28 points.
     """
 
@@ -577,6 +580,8 @@ class ShadowPolicy(LapsPolicy):
         self._floor = 0                             # the newest stamp the GPU has let go
         self._backs = 0.0                           # write-backs per store call (a moving average)
         self._lent: set = set()                     # protected keys given up while the GPU held them
+        self._steps = (max(1.0, self.NWB_STEP * capacity), max(1.0, self.STEP * capacity))  # room's, by
+        #                                             whether write-backs are seen
 
     def write_back_seen(self) -> bool:
         """whether the calls show a GPU that stores what it evicts"""
@@ -584,22 +589,30 @@ class ShadowPolicy(LapsPolicy):
 
     def stored(self, keys, new):
         shadow, floor, tick, back = self._shadow, self._floor, self._tick, False
-        if keys and shadow.get(keys[0], 0) > floor:
-            stamps = [shadow.get(k, 0) for k in keys]
+        head = shadow.get(keys[0], 0) if keys else 0
+        if head > floor:
+            stamps = list(map(shadow.get, keys, repeat(0)))
             newest = max(stamps)                # all in the shadow, all in the older half of its stamps:
             back = min(stamps) > floor and tick - newest > (tick - floor) // 2     # a write-back
         self._backs += (back - self._backs) * self.RATE
         if back:                                # the GPU let these go, and whatever it used before them
             self._floor = newest
-        elif keys:
-            if not shadow.keys().isdisjoint(keys):  # named again: to the most recent end (stamps stay sorted)
+        elif keys:                              # to the most recent end, head last (stamps stay sorted)
+            stamps = range(tick + 1, tick + 1 + len(keys))
+            if head:                            # named again (the head at least): out first
                 deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
-            shadow.update(zip(reversed(keys), range(tick + 1, tick + 1 + len(keys))))
+                shadow.update(zip(reversed(keys), stamps))
+            else:                               # new keys, the common case: in with no look before; the
+                before = len(shadow)            # count says whether any was there after all
+                shadow.update(zip(reversed(keys), stamps))
+                if len(shadow) - before != len(keys):   # some were (kept their places): moved to the end
+                    deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
+                    shadow.update(zip(reversed(keys), stamps))
             self._tick = tick + len(keys)
             if len(shadow) > 2 * self.capacity:     # bounded: the newest capacity of keys are kept
                 self._shadow = shadow = dict(islice(shadow.items(), len(shadow) - self.capacity, None))
                 self._lent.intersection_update(shadow)
-        self._step = max(1.0, (self.STEP if self.write_back_seen() else self.NWB_STEP) * self.capacity)
+        self._step = self._steps[1] if self.write_back_seen() else self._steps[0]
         super().stored(keys, new)
 
     def _returned(self, new):
