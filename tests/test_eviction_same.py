@@ -1,9 +1,9 @@
-"""The laps and shadow policies (fastcache/eviction.py) decide exactly as their plain reference below: the same
+"""The laps and shadow policies (fastcache/eviction.py) decide exactly as their plain form below: the same
 victims, in the same order, at every call of long call sequences.
 
-The reference is the policies' straightforward bookkeeping, kept here as it stands (a store into the shadow
-looks for the call's keys there before it inserts them; every victims call goes through each class's own
-steps); eviction.py keeps the same rules with fewer steps. The sequences: the trace model
+eviction.py shortens two steps: shadow inserts a store's new keys with no look for them first (the dict's size
+shows any that were there), and laps skips protected when probation gave every victim. The reference is each
+policy with those two steps in their plain form. The sequences: the trace model
 (fastcache.tools.trace_model.simulate, which drives a policy as TieredCache does) over generated traces of the
 three shapes, with and without write-back and with an L3, at tiers that evict all the time; and random calls
 with skipped (pinned) keys, loads, write-backs that come and go, removals and clears. Each run checks that it
@@ -18,293 +18,29 @@ from itertools import islice, repeat
 import numpy as np
 import pytest
 
-from fastcache.eviction import AFTER_LAP, FROM_PROBATION, FROM_PROTECTED, LapsPolicy, ShadowPolicy
+from fastcache.eviction import AdaptivePolicy, LapsPolicy, ShadowPolicy, take_oldest
 from fastcache.tools import trace_gen
 from fastcache.tools.trace_model import simulate
 
-# -- the reference: the policies' plain bookkeeping (docstrings in fastcache/eviction.py) --------------------------
+# -- the reference: the policies with the plain form of the two steps eviction.py shortens ---------------------
 
-def take_oldest(entries: OrderedDict, n: int, skip=None) -> list:
-    if n <= 0:
-        return []
-    if skip is None:
-        taken = list(islice(entries, n))
-    else:
-        taken = []
-        for key in entries:
-            if not skip(key):
-                taken.append(key)
-                if len(taken) == n:
-                    break
-    deque(map(entries.__delitem__, taken), maxlen=0)
-    return taken
-
-
-class Probation:
-    name = 'probation'
-    GHOSTS = 0.5
-    STEP = 1 / 256
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._probation: OrderedDict = OrderedDict()
-        self._protected: OrderedDict = OrderedDict()
-        self._ghosts: dict = {}
-        self._old_ghosts: dict = {}
-        self._generation = max(1, int(self.GHOSTS * capacity))
-        self._room = 0.0
-        self._step = max(1.0, self.STEP * capacity)
-        self._last_read = None
-        self._clock = 0
-
-    def __len__(self):
-        return len(self._probation) + len(self._protected)
-
-    def __contains__(self, key):
-        return key in self._probation or key in self._protected
-
-    def _protect(self, keys, held=True):
-        prob, prot = (self._probation, self._protected)
-        if held and (not prob or prob.keys().isdisjoint(keys)):
-            deque(map(prot.move_to_end, reversed(keys)), maxlen=0)
-            return
-        keys = keys[::-1]
-        if held and prot.keys().isdisjoint(keys):
-            deque(map(prob.__delitem__, keys), maxlen=0)
-        else:
-            deque(map(prob.pop, keys, repeat(None)), maxlen=0)
-            deque(map(prot.pop, keys, repeat(None)), maxlen=0)
-        prot.update(zip(keys, repeat(self._clock)))
-
-    def _returned(self, new):
-        ghosts, old = (self._ghosts, self._old_ghosts)
-        returned = ghosts.keys() & new if ghosts and (not ghosts.keys().isdisjoint(new)) else set()
-        if old and (not old.keys().isdisjoint(new)):
-            returned |= old.keys() & new
-        if returned:
-            deque(map(ghosts.pop, returned, repeat(None)), maxlen=0)
-            deque(map(old.pop, returned, repeat(None)), maxlen=0)
-        return returned
-
-    def _missed(self, keys):
-        last, self._last_read = (self._last_read, None)
-        try:
-            at = keys.index(last) + 1
-        except ValueError:
-            return
-        if at < len(keys):
-            key = keys[at]
-            origin = self._ghosts.get(key, self._old_ghosts.get(key))
-            if origin is not None:
-                room = self._room + (self._step if origin == FROM_PROBATION else -self._step)
-                self._room = min(max(room, 0.0), 0.9 * self.capacity)
-
-    def stored(self, keys, new):
-        self._clock += 1
-        if self._last_read is not None:
-            self._missed(keys)
-        returned = self._returned(new) if new else ()
-        if len(new) == len(keys) and (not returned):
-            self._probation.update(zip(reversed(new), repeat(self._clock)))
-            return
-        first = [k for k in new if k not in returned] if returned else new
-        if first:
-            self._probation.update(zip(reversed(first), repeat(self._clock)))
-        if len(first) == len(keys):
-            return
-        if first:
-            first = set(first)
-            keys = [k for k in keys if k not in first]
-        self._protect(keys, held=not returned)
-
-    def touched(self, keys):
-        if keys:
-            self._clock += 1
-            self._last_read = keys[-1]
-            self._protect(keys)
+class Laps(LapsPolicy):
+    """laps, taking from protected even when probation gave every victim (a call for none)"""
 
     def victims(self, n, skip=None):
-        prob, prot = (self._probation, self._protected)
-        over = len(prot) - int(self.capacity - self._room)
-        first = take_oldest(prot, min(n, over), skip)
-        taken = take_oldest(prob, n - len(first), skip)
-        rest = take_oldest(prot, n - len(first) - len(taken), skip)
-        self._remember(taken, first + rest)
-        return first + taken + rest
-
-    def _remember(self, from_probation, from_protected):
-        ghosts = self._ghosts
-        if from_probation:
-            ghosts.update(zip(from_probation, repeat(FROM_PROBATION)))
-        if from_protected:
-            ghosts.update(zip(from_protected, repeat(FROM_PROTECTED)))
-        if len(ghosts) >= self._generation:
-            self._old_ghosts, self._ghosts = (ghosts, {})
-
-    def remove(self, key):
-        if key in self._probation:
-            del self._probation[key]
-        else:
-            self._protected.pop(key, None)
-
-    def clear(self):
-        for part in (self._probation, self._protected, self._ghosts, self._old_ghosts):
-            part.clear()
-        self._room, self._last_read = (0.0, None)
-
-
-class Adaptive(Probation):
-    name = 'adaptive'
-
-    def _protect(self, keys, held=True):
-        prob, prot = (self._probation, self._protected)
-        if held and (not prob or prob.keys().isdisjoint(keys)):
-            keys = keys[::-1]
-            deque(map(prot.move_to_end, keys), maxlen=0)
-            prot.update(zip(keys, repeat(self._clock)))
-        else:
-            super()._protect(keys, held)
-
-    def victims(self, n, skip=None):
-        prob, prot = (self._probation, self._protected)
-        over = len(prot) - int(self.capacity - self._room)
-        if over <= 0 or n <= 0:
-            return super().victims(n, skip)
-        young, old = oldest_of_two(prob, prot, n, over, skip)
-        taken = young + take_oldest(prob, n - len(young) - len(old), skip)
-        rest = old + take_oldest(prot, n - len(taken) - len(old), skip)
+        if self._room > 0:
+            return AdaptivePolicy.victims(self, n, skip)
+        taken = take_oldest(self._probation, n, skip)
+        rest = self._take_protected(n - len(taken), skip)
         self._remember(taken, rest)
         return taken + rest
 
 
-class Laps(Adaptive):
-    name = 'laps'
-    LAP_STEP = 1 / 256
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self._lap_step = max(1.0, self.LAP_STEP * capacity)
-        self._hot: set = set()
-        self._lapped: set = set()
-        self._target = float(capacity)
-        self._kinds = [0, 0, 0]
-        self._old_kinds = [0, 0, 0]
-
-    def _protect(self, keys, held=True):
-        prob, prot = (self._probation, self._protected)
-        if held and (not prob or prob.keys().isdisjoint(keys)):
-            self._hot.update(keys)
-            keys = keys[::-1]
-            deque(map(prot.move_to_end, keys), maxlen=0)
-            if self._room > 0:
-                prot.update(zip(keys, repeat(self._clock)))
-            return
-        if prot and (not prot.keys().isdisjoint(keys)):
-            self._hot |= prot.keys() & keys
-        Probation._protect(self, keys, held)
-
-    def _returned(self, new):
-        ghosts, old = (self._ghosts, self._old_ghosts)
-        returned = ghosts.keys() & new if ghosts and (not ghosts.keys().isdisjoint(new)) else set()
-        if old and (not old.keys().isdisjoint(new)):
-            returned |= old.keys() & new
-        if not returned:
-            return returned
-        kinds, old_kinds, target, step = (self._kinds, self._old_kinds, self._target, self._lap_step)
-        for key in returned:
-            origin = ghosts.pop(key, None)
-            if origin is not None:
-                kinds[origin] -= 1
-            else:
-                origin = old.pop(key)
-                old_kinds[origin] -= 1
-            without = kinds[FROM_PROTECTED] + old_kinds[FROM_PROTECTED]
-            after = kinds[AFTER_LAP] + old_kinds[AFTER_LAP]
-            if origin == FROM_PROTECTED:
-                target -= step * max(1.0, after / max(without, 1))
-            elif origin == AFTER_LAP:
-                target += step * max(1.0, without / max(after, 1))
-        self._target = min(max(target, 0.0), float(self.capacity))
-        return returned
-
-    def _take_protected(self, n, skip):
-        prot, hot = (self._protected, self._hot)
-        if not hot or len(hot) > self._target or n <= 0:
-            return take_oldest(prot, n, skip)
-        out, lapped = ([], self._lapped)
-        while len(out) < n:
-            key = next((k for k in prot if skip is None or not skip(k)), None)
-            if key is None:
-                break
-            if key in hot:
-                hot.discard(key)
-                lapped.add(key)
-                del prot[key]
-                prot[key] = self._clock
-            else:
-                del prot[key]
-                out.append(key)
-        return out
-
-    def victims(self, n, skip=None):
-        if self._room > 0:
-            out = super().victims(n, skip)
-        else:
-            taken = take_oldest(self._probation, n, skip)
-            rest = self._take_protected(n - len(taken), skip)
-            out = taken + rest
-            self._remember(taken, rest)
-        return out
-
-    def _remember(self, from_probation, from_protected):
-        ghosts, kinds, hot, lapped = (self._ghosts, self._kinds, self._hot, self._lapped)
-        if from_probation:
-            ghosts.update(zip(from_probation, repeat(FROM_PROBATION)))
-            kinds[FROM_PROBATION] += len(from_probation)
-        for key in from_protected:
-            hot.discard(key)
-            if key in lapped:
-                lapped.discard(key)
-                ghosts[key] = AFTER_LAP
-                kinds[AFTER_LAP] += 1
-            else:
-                ghosts[key] = FROM_PROTECTED
-                kinds[FROM_PROTECTED] += 1
-        if len(ghosts) >= self._generation:
-            self._old_ghosts, self._ghosts = (ghosts, {})
-            self._old_kinds, self._kinds = (kinds, [0, 0, 0])
-
-    def remove(self, key):
-        super().remove(key)
-        self._hot.discard(key)
-        self._lapped.discard(key)
-
-    def clear(self):
-        super().clear()
-        for part in (self._hot, self._lapped):
-            part.clear()
-        self._target, self._kinds, self._old_kinds = (float(self.capacity), [0, 0, 0], [0, 0, 0])
-
-
-class Shadow(Laps):
-    name = 'shadow'
-    NWB_STEP = 1 / 128
-    RATE = 1 / 64
-    ON = 0.1
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self._shadow: dict = {}
-        self._tick = 0
-        self._floor = 0
-        self._backs = 0.0
-        self._lent: set = set()
-
-    def write_back_seen(self) -> bool:
-        return self._backs >= self.ON
+class Shadow(ShadowPolicy):
+    """shadow, looking for a store's keys in the shadow before it inserts them, and computing room's step"""
 
     def stored(self, keys, new):
-        shadow, floor, tick, back = (self._shadow, self._floor, self._tick, False)
+        shadow, floor, tick, back = self._shadow, self._floor, self._tick, False
         if keys and shadow.get(keys[0], 0) > floor:
             stamps = [shadow.get(k, 0) for k in keys]
             newest = max(stamps)
@@ -321,70 +57,7 @@ class Shadow(Laps):
                 self._shadow = shadow = dict(islice(shadow.items(), len(shadow) - self.capacity, None))
                 self._lent.intersection_update(shadow)
         self._step = max(1.0, (self.STEP if self.write_back_seen() else self.NWB_STEP) * self.capacity)
-        super().stored(keys, new)
-
-    def _returned(self, new):
-        returned = super()._returned(new)
-        lent = self._lent
-        if lent and (not lent.isdisjoint(new)):
-            back = lent.intersection(new)
-            lent -= back
-            returned = set(returned) | back
-        return returned
-
-    def victims(self, n, skip=None):
-        if n <= 0 or not self.write_back_seen() or (
-                self._room > 0 and len(self._protected) > int(self.capacity - self._room)):
-            return super().victims(n, skip)
-        taken = take_oldest(self._probation, n, skip)
-        held, prot = ([], self._protected)
-        if len(taken) < n:
-            floor = self._floor
-            for key, stamp in reversed(self._shadow.items()):
-                if stamp <= floor:
-                    break
-                if key in prot and (skip is None or not skip(key)):
-                    held.append(key)
-                    if len(held) + len(taken) == n:
-                        break
-            deque(map(prot.__delitem__, held), maxlen=0)
-            self._lent.update(held)
-        rest = self._take_protected(n - len(taken) - len(held), skip)
-        self._remember(taken, rest)
-        return taken + held + rest
-
-    def remove(self, key):
-        super().remove(key)
-        self._lent.discard(key)
-
-    def clear(self):
-        super().clear()
-        self._shadow.clear()
-        self._lent.clear()
-        self._tick, self._floor, self._backs = (0, 0, 0.0)
-
-
-def oldest_of_two(first: OrderedDict, second: OrderedDict, n: int, limit: int, skip=None):
-
-    def free(entries):
-        for key in entries:
-            if skip is None or not skip(key):
-                return key
-        return None
-    a, b = (iter(first), iter(second))
-    head_a, head_b = (free(a), free(b))
-    out_a, out_b = ([], [])
-    while len(out_a) + len(out_b) < n and len(out_b) < limit and (head_b is not None):
-        if head_a is not None and first[head_a] < second[head_b]:
-            out_a.append(head_a)
-            head_a = free(a)
-        else:
-            out_b.append(head_b)
-            head_b = free(b)
-    deque(map(first.__delitem__, out_a), maxlen=0)
-    deque(map(second.__delitem__, out_b), maxlen=0)
-    return (out_a, out_b)
-
+        LapsPolicy.stored(self, keys, new)
 
 
 REFERENCE = {"laps": (LapsPolicy, Laps), "shadow": (ShadowPolicy, Shadow)}
