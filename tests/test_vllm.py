@@ -49,7 +49,10 @@ def drive(*args, env=None, cwd=None) -> dict:
                           env={**os.environ, **(env or {})}, cwd=cwd)
     for line in proc.stdout.splitlines():
         if line.startswith("REPORT "):
-            return {**json.loads(line[len("REPORT "):]), "log": proc.stdout + proc.stderr}
+            report = json.loads(line[len("REPORT "):])
+            left = [name for name in os.listdir("/dev/shm") if any(i in name for i in report.get("dist_idents", []))]
+            assert not left, f"vLLM's shared memory of this run left in /dev/shm: {left}"
+            return {**report, "log": proc.stdout + proc.stderr}
     raise AssertionError(f"driver exited {proc.returncode} without a report:\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-6000:]}")
 
@@ -230,6 +233,7 @@ def test_tensor_parallel_ranks_move_their_own_slices(fault):
     alone = reference("--tp", 2)
     report = drive("--fastcache", "--rounds", 2, "--tp", 2, env=WRONG_CHUNK if fault else None)
     assert report["transfer_managers"] == 2
+    assert report["dist_removed"], "vLLM made no shared memory at tp=2: the check that none is left sees nothing"
     assert_same(outputs(report, 0), alone, "round one")
     assert per_round(report["load_bytes"])[1] >= SHARED_BLOCKS * BLOCK_BYTES     # half a block per rank, 2 ranks
     if fault:

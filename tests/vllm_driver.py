@@ -42,6 +42,25 @@ class Inspect:
         return {"layers": [list(group.layer_names) for group in connector.kv_cache_config.kv_cache_groups],
                 "tensors": getattr(connector.worker, "group_tensors", None)}
 
+    def dist_ident(self):
+        """vLLM's name for this engine's CPU shared-memory groups (tp > 1), which its workers unlink at a clean
+        exit only: a run whose workers were cut short (a shutdown timed out on a busy machine) left them"""
+        return os.environ.get("VLLM_DIST_IDENT")
+
+
+def remove_dist_segments(idents) -> list[str]:
+    """Remove the /dev/shm segments vLLM's CPU communicator made for this run's engine (named with its ident);
+    returns their names."""
+    removed = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("vllm_dist_") and any(ident in name for ident in idents):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
 
 def transfer_managers():
     import psutil
@@ -113,37 +132,41 @@ def run(args, scratch):
         report["start_error"] = f"{type(exc).__name__}: {exc}"
         print("REPORT " + json.dumps(report), flush=True)
         return
-    report["namespaces"] = llm.collective_rpc("fastcache_namespace")     # one per worker rank
-    report["groups"] = llm.collective_rpc("fastcache_groups")[0]
-    # logprobs=0: the sampled token's own logprob
-    params = SamplingParams(temperature=0, max_tokens=16, detokenize=False, logprobs=0)
-    order = list(range(len(prompts())))
-    if args.longest_first:
-        order.sort(key=lambda i: -len(prompts()[i]))
-    batch = [TokensPrompt(prompt_token_ids=prompts()[i]) for i in order]
-    for rnd in range(args.rounds):
-        submitted = llm.generate(batch, params, use_tqdm=False)
-        outs = [None] * len(order)
-        for i, out in zip(order, submitted):
-            outs[i] = out
-        report["rounds"].append([list(o.outputs[0].token_ids) for o in outs])
-        report["logprobs"].append([o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob for o in outs])
-        report["cached"].append(sum(o.num_cached_tokens or 0 for o in outs))
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        report["external_hits"].append(metrics.get("vllm:external_prefix_cache_hits"))
-        report["load_bytes"].append(metrics.get("vllm:kv_offload_load_bytes"))
-        if args.update_seed is not None and rnd == 0:
-            # a trainer's new weights, read by vLLM's own loader into the running engine
-            update = write_checkpoint(os.path.join(scratch, f"seed{args.update_seed}"), args.update_seed)
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": update})
-            report["update_reset"] = llm.reset_prefix_cache(reset_connector=args.reset == "connector")
-        else:
-            llm.reset_prefix_cache()           # round two's hits can only come from fastcache
-        if args.kill_after is not None and rnd + 1 == args.kill_after:
-            for proc in transfer_managers():
-                proc.kill()
-                report["killed"].append(proc.pid)
-    report["transfer_managers"] = len(transfer_managers())
+    report["dist_idents"] = sorted({i for i in llm.collective_rpc("dist_ident") if i}) if args.tp > 1 else []
+    try:
+        report["namespaces"] = llm.collective_rpc("fastcache_namespace")     # one per worker rank
+        report["groups"] = llm.collective_rpc("fastcache_groups")[0]
+        # logprobs=0: the sampled token's own logprob
+        params = SamplingParams(temperature=0, max_tokens=16, detokenize=False, logprobs=0)
+        order = list(range(len(prompts())))
+        if args.longest_first:
+            order.sort(key=lambda i: -len(prompts()[i]))
+        batch = [TokensPrompt(prompt_token_ids=prompts()[i]) for i in order]
+        for rnd in range(args.rounds):
+            submitted = llm.generate(batch, params, use_tqdm=False)
+            outs = [None] * len(order)
+            for i, out in zip(order, submitted):
+                outs[i] = out
+            report["rounds"].append([list(o.outputs[0].token_ids) for o in outs])
+            report["logprobs"].append([o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob for o in outs])
+            report["cached"].append(sum(o.num_cached_tokens or 0 for o in outs))
+            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            report["external_hits"].append(metrics.get("vllm:external_prefix_cache_hits"))
+            report["load_bytes"].append(metrics.get("vllm:kv_offload_load_bytes"))
+            if args.update_seed is not None and rnd == 0:
+                # a trainer's new weights, read by vLLM's own loader into the running engine
+                update = write_checkpoint(os.path.join(scratch, f"seed{args.update_seed}"), args.update_seed)
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": update})
+                report["update_reset"] = llm.reset_prefix_cache(reset_connector=args.reset == "connector")
+            else:
+                llm.reset_prefix_cache()           # round two's hits can only come from fastcache
+            if args.kill_after is not None and rnd + 1 == args.kill_after:
+                for proc in transfer_managers():
+                    proc.kill()
+                    report["killed"].append(proc.pid)
+        report["transfer_managers"] = len(transfer_managers())
+    finally:
+        report["dist_removed"] = remove_dist_segments(report["dist_idents"])
     print("REPORT " + json.dumps(report), flush=True)
 
 
