@@ -599,15 +599,14 @@ class ShadowPolicy(LapsPolicy):
             self._floor = newest
         elif keys:                              # to the most recent end, head last (stamps stay sorted)
             stamps = range(tick + 1, tick + 1 + len(keys))
-            if head:                            # named again (the head at least): out first
+            again = head                        # named again (the head at least)
+            if not head:                        # new keys, the common case: in with no look before; the
+                before = len(shadow)            # count says whether any was there after all (kept its place)
+                shadow.update(zip(reversed(keys), stamps))
+                again = len(shadow) - before != len(keys)
+            if again:                           # out first, then in at the most recent end
                 deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
                 shadow.update(zip(reversed(keys), stamps))
-            else:                               # new keys, the common case: in with no look before; the
-                before = len(shadow)            # count says whether any was there after all
-                shadow.update(zip(reversed(keys), stamps))
-                if len(shadow) - before != len(keys):   # some were (kept their places): moved to the end
-                    deque(map(shadow.pop, keys, repeat(None)), maxlen=0)
-                    shadow.update(zip(reversed(keys), stamps))
             self._tick = tick + len(keys)
             if len(shadow) > 2 * self.capacity:     # bounded: the newest capacity of keys are kept
                 self._shadow = shadow = dict(islice(shadow.items(), len(shadow) - self.capacity, None))

@@ -53,7 +53,7 @@ def run_time(pid):
 def idle_cost(pids, seconds):
     """(CPU-seconds, wake-ups per second) of each process over `seconds`. A wake-up of an idle thread costs this
     VM up to 6 ms of CPU (a bare thread waking once a second shows that), so the wake-ups are what tells a polling
-    loop, and the CPU what tells a spin."""
+    loop; a spin is told by awake_share, which a busy machine does not shrink."""
     before = [run_time(pid) for pid in pids]
     time.sleep(seconds)
     after = [run_time(pid) for pid in pids]
