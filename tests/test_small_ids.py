@@ -110,6 +110,8 @@ def test_a_small_task_is_sent_as_the_same_bytes_as_the_generic_encoder_makes(wid
                                                                    [protocol.Fence(0, 1, 2), protocol.Fence(3, 9, 0)])):
             task_id = int(rng.integers(1, 2**40))
             small = protocol.encode_small_task(task_id, kind, gpu, cpu, wide, layerwise, fence)
+            lazy = protocol.SmallTask(task_id, kind, gpu, cpu, wide, layerwise, fence)
+            assert list(lazy) == list(lazy) == small and lazy.task == small.task    # what a pipe sends, each time
             assert small == protocol.encode_task(task_id, kind, np.array(gpu, wire), np.array(cpu, wire), layerwise,
                                                  fence=fence)
             header, (g, c) = protocol.decode(small)

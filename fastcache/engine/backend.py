@@ -252,8 +252,8 @@ class SwapBackend:
         if layerwise:
             handle.publishes_layers(self.signals, range(self.tp_size), spec.total_layers, slots)
         if type(gpu_ids) is list:
-            message = protocol.encode_small_task(handle.task_id, kind, gpu_ids, cpu_ids,
-                                                 wire_dtype(spec) is np.int64, layerwise, fence)
+            message = protocol.SmallTask(handle.task_id, kind, gpu_ids, cpu_ids, wire_dtype(spec) is np.int64,
+                                         layerwise, fence)
         else:
             message = protocol.encode_task(handle.task_id, kind, gpu_ids, cpu_ids, layerwise, fence=fence)
         return self._send_task(handle, message)

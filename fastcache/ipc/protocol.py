@@ -138,6 +138,23 @@ def encode_small_task(task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wid
     return frames
 
 
+class SmallTask:
+    """encode_small_task's message, made only when a pipe sends it (iterating it gives its frames): a task that
+    goes as a task-ring record (ipc/task_ring.py) never needs the frames, which cost more than the record."""
+    __slots__ = ("task", "_wide", "_frames")
+
+    def __init__(self, task_id: int, kind: str, gpu_ids: list, cpu_ids: list, wide: bool, layerwise: bool = False,
+                 fence=()):
+        self.task = (task_id, kind, gpu_ids, cpu_ids, layerwise, KV, 0, fence)
+        self._wide, self._frames = wide, None
+
+    def __iter__(self):
+        if self._frames is None:
+            task_id, kind, gpu_ids, cpu_ids, layerwise, _, _, fence = self.task
+            self._frames = encode_small_task(task_id, kind, gpu_ids, cpu_ids, self._wide, layerwise, fence)
+        return iter(self._frames)
+
+
 def decode(frames: list[bytes]) -> tuple[dict, list[np.ndarray]]:
     """(header, id arrays) of a received message; raises ProtocolError if anything is off."""
     if not frames:

@@ -8,7 +8,7 @@ thread). Record i (from 0) lives in slot i % SLOTS; the writer fills its body an
 (i + 1) last (x86 orders stores; the commit word is one aligned 8-byte store). A record carries the task
 inline: its sequence number (one numbering per rank, shared with the task pipe), task id, kind, flags, the
 rank's fence and up to INLINE GPU and CPU block ids (int32). The reader publishes how many records it has
-read, under the token: the writer reuses a slot only after that. The engine's I/O thread publishes, under
+read, under the token, every PUBLISH_EVERY records: the writer reuses a slot only after that. The engine's I/O thread publishes, under
 the token, how many records were written and the number of the last, so that the reader can tell a record
 that was destroyed from one not yet written.
 
@@ -34,6 +34,8 @@ from .ring_mac import COUNT_BYTES, WORD, SignedRing
 from .shm import SharedSegment
 
 SLOTS = 256
+PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
+#                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 INLINE = 24                             # block ids of each side a record holds
 BODY = struct.Struct("<QQIHBBB3x")      # seq, task id, fence generation, count, kind, flags, fence slot
 RECORD_BYTES = 256                      # commit word, MAC, body, the ids, padding
@@ -170,6 +172,7 @@ class TaskRingReader(_Ring):
     def __init__(self, segment, token: bytes, rank: int, incarnation: int):
         super().__init__(segment, token, rank, incarnation)
         self.next = 0
+        self.published = 0      # the read count last published to the writer
         self.last_head, self.head_value = None, (0, 0)
 
     def pending(self) -> bool:
@@ -213,7 +216,9 @@ class TaskRingReader(_Ring):
             break
         if i != self.next:
             self.next = i
-            self.put_count(COUNT_BYTES, READ, WORD.pack(i))
+            if i - self.published >= PUBLISH_EVERY:     # a MAC per record read would cost more than the read
+                self.published = i
+                self.put_count(COUNT_BYTES, READ, WORD.pack(i))
         return records, bad, malformed
 
     def _task(self, raw: bytes) -> Record:

@@ -128,7 +128,7 @@ class TransferManager:
                 except BlockingIOError:
                     pass
             if self.tasks in events or self.task_ring is not None:     # the ring is read on every wake-up
-                if self._drain_messages() == "stop":
+                if self._drain_messages(pipe=self.tasks in events) == "stop":
                     return 0
             self._advance()
             if spin and events and self.phase == "running" and self.copier is not None:    # not when idle
@@ -273,12 +273,15 @@ class TransferManager:
             self.signals.swap_space_ready[self.rank] = 0
 
     # -- messages --------------------------------------------------------------------------------
-    def _drain_messages(self):
-        """Take what the task pipe and then the task ring hold, in number order (see the module docstring)."""
+    def _drain_messages(self, pipe: bool = True):
+        """Take what the task pipe (if poll said it holds something: an empty pipe's recv costs more than a record)
+        and then the task ring hold, in number order (see the module docstring). A message the pipe takes after
+        the poll is numbered above every record in the ring (the engine writes one only once this process has
+        read every message sent before), so it waits for the next wake-up."""
         ring = self.task_ring
         head = ring.head() if ring is not None else None       # before the pipe: see _lost_below
         received = []
-        while True:
+        while pipe or ring is None:
             try:
                 frames = self.tasks.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
