@@ -63,6 +63,30 @@ def test_gpu_blocks_pair_with_chunk_blocks_like_vllm():
     assert np.array_equal(gpu_to_cpu_blocks([4], [1], [0], [6], 1)[1], [6])
 
 
+def test_small_and_large_transfers_pair_blocks_alike(monkeypatch):
+    """The plain-Python path for small transfers against the NumPy one, on random groups; the oracle tells a
+    chunk off by one apart."""
+    from fastcache.integrations.vllm import keys
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        bpc = int(rng.integers(1, 5))
+        sizes = rng.integers(0, 6, int(rng.integers(1, 4))).tolist()
+        firsts = rng.integers(0, 9, len(sizes)).tolist()
+        used = sum(-(-(s + f % bpc) // bpc) for s, f in zip(sizes, firsts) if s)
+        gpu = rng.permutation(64)[:sum(sizes)]
+        chunks = rng.permutation(100)[:used]
+        small = keys.gpu_to_cpu_blocks(gpu, sizes, firsts, chunks, bpc)
+        monkeypatch.setattr(keys, "SMALL", -1)
+        large = keys.gpu_to_cpu_blocks(gpu, sizes, firsts, chunks, bpc)
+        monkeypatch.setattr(keys, "SMALL", 64)
+        assert small[0].tolist() == large[0].tolist() and small[1].tolist() == large[1].tolist()
+        assert small[1].dtype == large[1].dtype == np.int64
+        if used:
+            off = chunks.copy()
+            off[-1] += 1
+            assert keys.gpu_to_cpu_blocks(gpu, sizes, firsts, off, bpc)[1].tolist() != large[1].tolist()
+
+
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_an_entry_is_stamped_only_when_every_rank_wrote_its_stamp(n):
     """The manager's fail-closed check, on the short path (one or two chunks) and the vectorised one."""

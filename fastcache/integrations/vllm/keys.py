@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 MASK = (1 << 64) - 1
+SMALL = 64                            # GPU blocks a transfer may have for gpu_to_cpu_blocks' plain-Python path
 _GOLDEN = 0x9E3779B97F4A7C15          # odd constant: spreads small integers over 64 bits
 
 
@@ -39,21 +40,32 @@ def gpu_to_cpu_blocks(gpu_ids, group_sizes, block_indices, chunks, blocks_per_ch
     """Pair each GPU block of a vLLM transfer with its fastcache CPU block.
 
     GPU blocks come grouped by KV group; group g's first block is block block_indices[g] of its request, so
-    its first chunk may be entered part-way (vLLM's own CPU worker counts the same way)."""
+    its first chunk may be entered part-way (vLLM's own CPU worker counts the same way). A transfer of at most
+    SMALL GPU blocks is paired in plain Python (a one-block job's NumPy calls cost more than the rest of its
+    submission); both ways give the same pairs."""
+    bpc = blocks_per_chunk
+    small = len(gpu_ids) <= SMALL
     gpu_ids = np.asarray(gpu_ids, dtype=np.int64)
     chunks = np.asarray(chunks, dtype=np.int64)
+    chunk_list = chunks.tolist() if small else None
     cpu, g0, c0 = [], 0, 0
     for size, first in zip(group_sizes, block_indices):
         if size == 0:
             continue
-        logical = np.arange(size) + first % blocks_per_chunk
-        used = -(-(size + first % blocks_per_chunk) // blocks_per_chunk)
+        skip = first % bpc
+        used = -(-(size + skip) // bpc)
         if c0 + used > len(chunks):
             raise ValueError(f"{size} GPU blocks from block {first} need {used} chunks, "
                              f"{len(chunks) - c0} given")
-        cpu.append(chunks[c0 + logical // blocks_per_chunk] * blocks_per_chunk + logical % blocks_per_chunk)
+        if small:
+            cpu += [chunk_list[c0 + i // bpc] * bpc + i % bpc for i in range(skip, skip + size)]
+        else:
+            logical = np.arange(size) + skip
+            cpu.append(chunks[c0 + logical // bpc] * bpc + logical % bpc)
         g0, c0 = g0 + size, c0 + used
     if g0 != len(gpu_ids) or c0 != len(chunks):
         raise ValueError(f"group sizes {list(group_sizes)} cover {g0} of {len(gpu_ids)} GPU blocks and "
                          f"{c0} of {len(chunks)} chunks")
+    if small:
+        return gpu_ids, np.array(cpu, dtype=np.int64)
     return gpu_ids, (np.concatenate(cpu) if cpu else np.zeros(0, dtype=np.int64))
