@@ -8,9 +8,9 @@ thread). Record i (from 0) lives in slot i % SLOTS; the writer fills its body an
 (i + 1) last (x86 orders stores; the commit word is one aligned 8-byte store). A record carries the task
 inline: its sequence number (one numbering per rank, shared with the task pipe), task id, kind, flags, the
 rank's fence and up to INLINE GPU and CPU block ids (int32). The reader publishes how many records it has
-read, under the token, every PUBLISH_EVERY records: the writer reuses a slot only after that. The engine's I/O thread publishes, under
-the token, how many records were written and the number of the last, so that the reader can tell a record
-that was destroyed from one not yet written.
+read, under the token, every PUBLISH_EVERY records: the writer reuses a slot only after that. The engine's
+I/O thread publishes, under the token, how many records were written and the number of the last, so that the
+reader can tell a record that was destroyed from one not yet written.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
 without its MAC under the deployment's token, keyed with the direction, the rank and the process's
