@@ -9,7 +9,7 @@ three ways in the same run:
   eventfd    an eventfd per rank as the doorbell there (the rank blocked in poll), one eventfd back read by an
              I/O thread that wakes the submitter through a threading.Event (the shape of fastcache's
              completion ring).
-  one_cpu    the semaphore floor with the submitter and every rank on the submitter's CPU: each wake-up a
+  one_cpu    the semaphore floor with the submitter and every rank on one CPU: each wake-up a
              switch on that CPU, with no CPU woken from idle. On a VM, the difference to `semaphore` is the
              hypervisor waking an idle vCPU (an interrupt to a halted vCPU), which the others pay per wake-up.
 
@@ -112,9 +112,9 @@ def zmq_floor(tp, samples):
     return latencies, cpu
 
 
-def semaphore_rank(there, back, cpu=None):
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+def semaphore_rank(there, back, pin=None):
+    if pin is not None:
+        os.sched_setaffinity(0, {pin})
     there, back = posix_ipc.Semaphore(there), posix_ipc.Semaphore(back)
     while True:
         there.acquire()
@@ -126,13 +126,14 @@ def semaphore_rank(there, back, cpu=None):
 STOP_FILE = [""]
 
 
-def semaphore_floor(tp, samples, cpu=None):
+def semaphore_floor(tp, samples, pin=None):
+    """pin: the CPU every rank runs on (None: wherever the scheduler puts them)."""
     tag = secrets.token_hex(4)
     stop_dir = tempfile.mkdtemp(prefix="queue-floor.")
     STOP_FILE[0] = os.path.join(stop_dir, "stop")
     there = [posix_ipc.Semaphore(f"/queue-floor.{tag}.there{r}", posix_ipc.O_CREX, mode=0o600) for r in range(tp)]
     back = posix_ipc.Semaphore(f"/queue-floor.{tag}.back", posix_ipc.O_CREX, mode=0o600)
-    children = [fork(semaphore_rank, there[r].name, back.name, cpu) for r in range(tp)]
+    children = [fork(semaphore_rank, there[r].name, back.name, pin) for r in range(tp)]
     latencies = []
     cpu = time.process_time()
     for _ in range(samples):
@@ -217,12 +218,12 @@ def eventfd_floor(tp, samples):
 
 
 def one_cpu_floor(tp, samples):
-    """semaphore_floor with every process on the CPU this one runs on now (its affinity restored after)."""
+    """semaphore_floor with every process on one of the CPUs this one may use (its affinity restored after)."""
     allowed = os.sched_getaffinity(0)
-    cpu = int(open("/proc/thread-self/stat").read().rsplit(")", 1)[1].split()[36])    # field 39: the CPU now
-    os.sched_setaffinity(0, {cpu})
+    pin = min(allowed)
+    os.sched_setaffinity(0, {pin})
     try:
-        return semaphore_floor(tp, samples, cpu)
+        return semaphore_floor(tp, samples, pin)
     finally:
         os.sched_setaffinity(0, allowed)
 
