@@ -79,11 +79,14 @@ class Doorbells:
 
     def sleep(self, pending, ms: int):
         """Sleep up to ms on the doorbell of one of the ranks still pending: the one that reported last the last
-        time, if pending (ranks tend to keep their order), else the lowest."""
+        time, if pending (ranks tend to keep their order), else the lowest. Then clear every doorbell that rang
+        (the caller reads the rings next): one that rings after this is for a record written after it, which
+        give_back then reads; the others' records are read now, so give_back has nothing to read."""
         rank = self.last_rank if self.last_rank in pending else min(pending, default=None)
         sleep = self._sleeps.get(rank)
-        for fd, _ in (sleep or self._any).poll(ms):
-            clear(fd)
+        if (sleep or self._any).poll(ms):
+            for fd, _ in self._any.poll(0):
+                clear(fd)
 
     def give_back(self, read):
         """The doorbells back to the I/O thread: what rang meanwhile is cleared and its records read here (read()),

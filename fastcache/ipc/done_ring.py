@@ -3,8 +3,9 @@ in a shared-memory segment the engine creates for that process, read by the engi
 doorbell (an eventfd the engine hands the process at spawn).
 
 One writer (the transfer manager's main thread) and one reader (the engine's I/O thread). Record i (from 0)
-lives in slot i % SLOTS; the writer fills its body and MAC first and its commit word (i + 1) last, so a reader
-that sees the commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
+lives in slot i % SLOTS: its commit word, its body, then the MAC of both (so the reader hashes one contiguous
+run). The writer fills the body and MAC first and the commit word (i + 1) last, so a reader that sees the
+commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
 After each record the writer publishes how many it has written, and the reader, every PUBLISH_EVERY records, how
 many it has read, each with its own MAC: a slot is reused only once the reader has said, under the token, that
 it read it.
@@ -29,7 +30,8 @@ SLOTS = 256
 PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
 #                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 RECORD = struct.Struct("<QQQd")         # task id, bytes moved, puts skipped, seconds
-RECORD_BYTES = 64                       # commit word, MAC, body, padding
+RECORD_BYTES = 64                       # commit word, body, MAC (of the two), padding
+SIGNED = 8 + RECORD.size                # the commit word and the body: what the MAC after them covers
 HEAD_BYTES = 2 * COUNT_BYTES            # the writer's count, then the reader's
 RING_BYTES = HEAD_BYTES + SLOTS * RECORD_BYTES
 DONE, WRITTEN, READ = b"fastcache>done", b"fastcache>wrote", b"fastcache>read"     # MAC personalisations
@@ -71,9 +73,8 @@ class RingWriter(_Ring):
             if i - self.read >= SLOTS:
                 return False
         body = RECORD.pack(task_id, nbytes, skipped, seconds)
-        index = WORD.pack(i + 1)
         at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
-        self.buf[at + 8:at + 8 + MAC_BYTES + RECORD.size] = self.mac(DONE, index, body) + body
+        self.buf[at + 8:at + SIGNED + MAC_BYTES] = body + self.mac(DONE, WORD.pack(i + 1) + body)
         self.words[at // 8] = i + 1         # the commit word, last
         self.written = i + 1
         self.log[i] = (task_id, nbytes, skipped, seconds)
@@ -108,13 +109,11 @@ class RingReader(_Ring):
         while True:
             at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
             if words[at >> 3] == i + 1:
-                raw = bytes(buf[at:at + 8 + MAC_BYTES + RECORD.size])
-                body = raw[8 + MAC_BYTES:]
+                raw = bytes(buf[at:at + SIGNED + MAC_BYTES])
                 digest = done.copy()
-                digest.update(raw[:8])
-                digest.update(body)
-                if WORD.unpack_from(raw)[0] == i + 1 and hmac.compare_digest(raw[8:8 + MAC_BYTES], digest.digest()):
-                    records.append(RECORD.unpack(body))
+                digest.update(raw[:SIGNED])
+                if WORD.unpack_from(raw)[0] == i + 1 and hmac.compare_digest(raw[SIGNED:], digest.digest()):
+                    records.append(RECORD.unpack_from(raw, 8))
                 else:
                     bad.append(i)
                 i += 1

@@ -4,8 +4,9 @@ eventfd the engine makes with the ring and the process inherits at spawn). The c
 (ipc/done_ring.py) is its model, in the other direction.
 
 One writer (the engine's submitting thread, under its submit lock) and one reader (the transfer manager's main
-thread). Record i (from 0) lives in slot i % SLOTS; the writer fills its body and MAC first and its commit word
-(i + 1) last (x86 orders stores; the commit word is one aligned 8-byte store). A record carries the task
+thread). Record i (from 0) lives in slot i % SLOTS: its commit word, body and ids, then (at the slot's end) the
+MAC of those (one contiguous run for the reader to hash). The writer fills the body, ids and MAC first and the
+commit word (i + 1) last (x86 orders stores; the commit word is one aligned 8-byte store). A record carries the task
 inline: its sequence number (one numbering per rank, shared with the task pipe), task id, kind, flags, the
 rank's fence and up to INLINE GPU and CPU block ids (int32). The reader publishes how many records it has
 read, under the token, every PUBLISH_EVERY records: the writer reuses a slot only after that. The engine's
@@ -38,9 +39,10 @@ PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after t
 #                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 INLINE = 24                             # block ids of each side a record holds
 BODY = struct.Struct("<QQIHBBB3x")      # seq, task id, fence generation, count, kind, flags, fence slot
-RECORD_BYTES = 256                      # commit word, MAC, body, the ids, padding
-IDS_AT = 8 + MAC_BYTES + BODY.size      # the ids: count GPU ids, then count CPU ids (int32)
-assert IDS_AT + 2 * 4 * INLINE <= RECORD_BYTES
+RECORD_BYTES = 256                      # commit word, body, the ids, padding, MAC
+IDS_AT = 8 + BODY.size                  # the ids: count GPU ids, then count CPU ids (int32)
+MAC_AT = RECORD_BYTES - MAC_BYTES       # the MAC of the commit word, the body and the ids
+assert IDS_AT + 2 * 4 * INLINE <= MAC_AT
 HEAD_BYTES = 2 * COUNT_BYTES            # the writer's count, then the reader's
 RING_BYTES = HEAD_BYTES + SLOTS * RECORD_BYTES
 TASK, WRITTEN, READ = b"fastcache>task", b"fastcache>tasks", b"fastcache>taken"     # MAC personalisations
@@ -64,7 +66,7 @@ class Inline(NamedTuple):
     flags: int
     count: int
     ids: bytes
-    fences: dict        # rank -> (generation, slot)
+    fences: dict | None     # rank -> (generation, slot); None without a fence
 
 
 def inline(task_id, kind, gpu_ids, cpu_ids, layerwise=False, group=KV, ring=0, fence=()) -> Inline | None:
@@ -79,7 +81,7 @@ def inline(task_id, kind, gpu_ids, cpu_ids, layerwise=False, group=KV, ring=0, f
     except struct.error:
         return None
     return Inline(task_id, KINDS[kind], LAYERWISE if layerwise else 0, count, ids,
-                  {f.rank: (f.generation, f.slot) for f in fence})
+                  {f.rank: (f.generation, f.slot) for f in fence} if fence else None)
 
 
 class Record(NamedTuple):
@@ -129,14 +131,14 @@ class TaskRingWriter(_Ring):
         at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
         buf = self.buf
         gen, slot = task.fences.get(self.rank, (0, 0)) if task.fences else (0, 0)
-        BODY.pack_into(buf, at + 8 + MAC_BYTES, seq, task.task_id, gen, task.count, task.kind,
-                       task.flags | (FENCED if gen else 0), slot)
+        BODY.pack_into(buf, at + 8, seq, task.task_id, gen, task.count, task.kind, task.flags | (FENCED if gen else 0),
+                       slot)
         end = at + IDS_AT + len(task.ids)
         buf[at + IDS_AT:end] = task.ids
         digest = self.keyed[TASK].copy()
         digest.update(WORD.pack(i + 1))
-        digest.update(buf[at + 8 + MAC_BYTES:end])
-        buf[at + 8:at + 8 + MAC_BYTES] = digest.digest()
+        digest.update(buf[at + 8:end])
+        buf[at + MAC_AT:at + RECORD_BYTES] = digest.digest()
         self.words[at >> 3] = i + 1         # the commit word, last
         self.written, self.last_seq = i + 1, seq
         self.seqs[i % SLOTS] = seq
@@ -195,14 +197,14 @@ class TaskRingReader(_Ring):
         wrong with authentic records the protocol does not allow (none, from this deployment's engine)."""
         records, bad, malformed = [], [], []
         i, written = self.next, head[0]
+        words, buf, keyed = self.words, self.buf, self.keyed[TASK]
         while True:
             at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
-            if int(self.words[at >> 3]) == i + 1:
-                raw = bytes(self.buf[at:at + RECORD_BYTES])
-                count = BODY.unpack_from(raw, 8 + MAC_BYTES)[3]
-                end = IDS_AT + 8 * min(count, INLINE)
-                if raw[:8] == WORD.pack(i + 1) and hmac.compare_digest(
-                        raw[8:8 + MAC_BYTES], self.mac(TASK, raw[:8], raw[8 + MAC_BYTES:end])):
+            if words[at >> 3] == i + 1:
+                raw = bytes(buf[at:at + RECORD_BYTES])
+                digest = keyed.copy()
+                digest.update(raw[:IDS_AT + 8 * min(BODY.unpack_from(raw, 8)[3], INLINE)])
+                if WORD.unpack_from(raw)[0] == i + 1 and hmac.compare_digest(raw[MAC_AT:], digest.digest()):
                     try:
                         records.append(self._task(raw))
                     except RingError as exc:
@@ -222,11 +224,11 @@ class TaskRingReader(_Ring):
         return records, bad, malformed
 
     def _task(self, raw: bytes) -> Record:
-        seq, task_id, gen, count, kind, flags, slot = BODY.unpack_from(raw, 8 + MAC_BYTES)
+        seq, task_id, gen, count, kind, flags, slot = BODY.unpack_from(raw, 8)
         if kind not in KIND_NAMES or flags & ~(LAYERWISE | FENCED) or not 0 < count <= INLINE or \
                 (flags & FENCED and (not gen or slot >= FENCE_SLOTS)):
             raise RingError(f"task ring record {seq}: kind {kind}, flags {flags}, {count} ids, fence ({gen}, {slot})")
-        ids = np.frombuffer(raw, "<i4", 2 * count, IDS_AT).astype(np.int64)
+        ids = np.array(IDS[count].unpack_from(raw, IDS_AT), np.int64)
         header = {"type": "task", "task_id": task_id, "kind": KIND_NAMES[kind], "dtype": "int32", "count": count,
                   "layerwise": bool(flags & LAYERWISE), "group": KV, "ring": 0,
                   "fence": [Fence(self.rank, gen, slot)] if flags & FENCED else []}
