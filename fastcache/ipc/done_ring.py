@@ -6,9 +6,9 @@ One writer (the transfer manager's main thread) and one reader (the engine's I/O
 lives in slot i % SLOTS: its commit word, its body, then the MAC of both (so the reader hashes one contiguous
 run). The writer fills the body and MAC first and the commit word (i + 1) last, so a reader that sees the
 commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
-After each record the writer publishes how many it has written, and the reader, every PUBLISH_EVERY records, how
-many it has read, each with its own MAC: a slot is reused only once the reader has said, under the token, that
-it read it.
+The writer publishes how many it has written before it sleeps and every PUBLISH_EVERY records (publish(): a MAC
+per record would cost more than the record), and the reader, every PUBLISH_EVERY records, how many it has read,
+each with its own MAC: a slot is reused only once the reader has said, under the token, that it read it.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
 without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A
@@ -59,6 +59,7 @@ class RingWriter(_Ring):
     def __init__(self, segment, token: bytes, rank: int, pid: int):
         super().__init__(segment, token, rank, pid)
         self.written = 0
+        self.published = 0      # the written count last published to the reader
         self.read = 0           # the reader's last count that passed its MAC
         self.log = {}           # index -> record body, of those the reader may still ask for again
 
@@ -78,8 +79,16 @@ class RingWriter(_Ring):
         self.words[at // 8] = i + 1         # the commit word, last
         self.written = i + 1
         self.log[i] = (task_id, nbytes, skipped, seconds)
-        self.put_count(0, WRITTEN, WORD.pack(i + 1))
+        if i + 1 - self.published >= PUBLISH_EVERY:
+            self.publish()
         return True
+
+    def publish(self):
+        """Say, under the token, how many records were written (before this process sleeps, and every
+        PUBLISH_EVERY records): the reader then knows a record missing below it was destroyed, not late."""
+        if self.published != self.written:
+            self.published = self.written
+            self.put_count(0, WRITTEN, WORD.pack(self.written))
 
     def again(self, first: int, last: int) -> list[tuple]:
         """The records first..last that the reader found bad, to send again another way."""

@@ -115,7 +115,10 @@ class TransferManager:
             poller.register(self.task_doorbell, zmq.POLLIN)
         spin = self.settings.spin_us / 1e6 if self.task_ring is not None else 0.0
         self.heartbeat.start()
+        busy = False        # the last spin saw work come: the poll below returns at once
         while True:
+            if not busy and self.ring is not None:
+                self.ring.publish()         # about to sleep: how many completion records were written
             # poll briefly only while something is about to become ready; a cleared cache just sleeps
             waiting = self.phase in ("clearing", "restoring") or \
                 (self.phase == "running" and (self.cache is None or self.swap is None))
@@ -131,19 +134,20 @@ class TransferManager:
                 if self._drain_messages(pipe=self.tasks in events) == "stop":
                     return 0
             self._advance()
-            if spin and events and self.phase == "running" and self.copier is not None:    # not when idle
-                self._spin(spin)
+            busy = bool(spin and events and self.phase == "running" and self.copier is not None   # not when idle
+                        and self._spin(spin))
 
-    def _spin(self, seconds):
+    def _spin(self, seconds) -> bool:
         """Stay awake up to `seconds` for what comes next (a record in the task ring, a message on the pipe, an
         executor's completion), yielding the core between looks: the engine's doorbell then wakes nobody, which on
-        a VM costs the engine more than the task's copy."""
+        a VM costs the engine more than the task's copy. True if something came."""
         ring, tasks, done = self.task_ring, self.tasks, self.done_pull
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             if ring.pending() or tasks.getsockopt(EVENTS) & POLLIN or done.getsockopt(EVENTS) & POLLIN:
-                return
+                return True
             os.sched_yield()
+        return False
 
     def _check_peers(self):
         """Runs on the heartbeat thread: exit (once, logged) when the engine or the worker is gone.
@@ -300,8 +304,8 @@ class TransferManager:
             self.send("ring_bad", rank=self.rank, first=first, last=last)
         for error in malformed:
             self.send("error", error=error[:protocol.MAX_ERROR_CHARS])
-        if records:
-            received = sorted(received + records, key=lambda message: message[0])
+        if records:         # the ring's records are in number order already
+            received = sorted(received + records, key=lambda message: message[0]) if received else records
         for message in received:
             if self._take(message) == "stop":
                 return "stop"
@@ -382,7 +386,7 @@ class TransferManager:
         except ValueError as exc:
             self.send("failed", task_id=task_id, rank=self.rank, error=str(exc))
             return
-        fence = next((f for f in header["fence"] if f.rank == self.rank), None)
+        fence = next((f for f in header["fence"] if f.rank == self.rank), None) if header["fence"] else None
         self._dispatch(self.scheduler.add(Task(task_id, header["kind"], ids[0], ids[1], header["layerwise"],
                                                header["group"], header["ring"], fence)))
 

@@ -7,7 +7,8 @@ until that task completes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -22,13 +23,16 @@ class Task:
     group: str = "kv"                   # the tensor group whose blocks the ids name (kv, weights)
     ring: int = 0                       # a weight stream: slots of the ring it fills (ipc/ring.py)
     fence: object = None                # cuda: the protocol.Fence the copy waits for first (transfer/fences.py)
-    gpu_set: frozenset = field(init=False)
-    cpu_set: frozenset = field(init=False)
     dispatched: bool = False
 
-    def __post_init__(self):
-        self.gpu_set = frozenset(self.gpu_ids.tolist())
-        self.cpu_set = frozenset(self.cpu_ids.tolist())
+    # made on first use: a task alone in the scheduler (the latency path) is compared with none
+    @cached_property
+    def gpu_set(self) -> frozenset:
+        return frozenset(self.gpu_ids.tolist())
+
+    @cached_property
+    def cpu_set(self) -> frozenset:
+        return frozenset(self.cpu_ids.tolist())
 
     def conflicts(self, other: "Task") -> bool:
         if self.group != other.group:       # ids of two groups name different memory
