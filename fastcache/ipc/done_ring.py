@@ -6,8 +6,8 @@ One writer (the transfer manager's main thread) and one reader (the engine's I/O
 lives in slot i % SLOTS: its commit word, its body, then the MAC of both (so the reader hashes one contiguous
 run). The writer fills the body and MAC first and the commit word (i + 1) last, so a reader that sees the
 commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
-The writer publishes how many it has written before it sleeps and every PUBLISH_EVERY records (publish(): a MAC
-per record would cost more than the record), and the reader, every PUBLISH_EVERY records, how many it has read,
+The writer publishes how many it has written before it sleeps, every PUBLISH_EVERY records and when the ring is
+full (publish(): a MAC per record would cost more than the record), and the reader, every PUBLISH_EVERY records, how many it has read,
 each with its own MAC: a slot is reused only once the reader has said, under the token, that it read it.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
@@ -79,13 +79,14 @@ class RingWriter(_Ring):
         self.words[at // 8] = i + 1         # the commit word, last
         self.written = i + 1
         self.log[i] = (task_id, nbytes, skipped, seconds)
-        if i + 1 - self.published >= PUBLISH_EVERY:
+        if i + 1 - self.published >= PUBLISH_EVERY or i + 1 - self.read >= SLOTS:
             self.publish()
         return True
 
     def publish(self):
-        """Say, under the token, how many records were written (before this process sleeps, and every
-        PUBLISH_EVERY records): the reader then knows a record missing below it was destroyed, not late."""
+        """Say, under the token, how many records were written (before this process sleeps, every PUBLISH_EVERY
+        records, and when the ring is full): the reader then knows a record missing below it was destroyed, not
+        late."""
         if self.published != self.written:
             self.published = self.written
             self.put_count(0, WRITTEN, WORD.pack(self.written))
