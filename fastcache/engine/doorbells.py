@@ -84,9 +84,11 @@ class Doorbells:
         give_back then reads; the others' records are read now, so give_back has nothing to read."""
         rank = self.last_rank if self.last_rank in pending else min(pending, default=None)
         sleep = self._sleeps.get(rank)
-        if (sleep or self._any).poll(ms):
-            for fd, _ in self._any.poll(0):
-                clear(fd)
+        rang = (sleep or self._any).poll(ms)
+        if rang and len(self._fds) > 1:     # other ranks' doorbells too (one rank: what the poll saw is all)
+            rang = self._any.poll(0)
+        for fd, _ in rang:
+            clear(fd)
 
     def give_back(self, read):
         """The doorbells back to the I/O thread: what rang meanwhile is cleared and its records read here (read()),
