@@ -1,5 +1,5 @@
 """The latency floor of a task round trip to tp other processes on this machine, with no work at all, built
-three ways in the same run:
+five ways in the same run:
 
   zmq        SwapBackend's sockets: the submitting thread writes one PUSH per rank, each rank process reads
              its PULL and answers on a DEALER, an I/O thread reads the ROUTER and wakes the submitter through
@@ -12,9 +12,18 @@ three ways in the same run:
   one_cpu    the semaphore floor with the submitter and every rank on one CPU: each wake-up a
              switch on that CPU, with no CPU woken from idle. On a VM, the difference to `semaphore` is the
              hypervisor waking an idle vCPU (an interrupt to a halted vCPU), which the others pay per wake-up.
+  rings      fastcache's own mechanism and nothing else: the submitter writes a one-block record in each
+             rank's task ring (fastcache.ipc.task_ring: packed, keyed BLAKE2b, commit word) and rings its
+             eventfd; the rank reads and checks it, writes a record in its completion ring
+             (fastcache.ipc.done_ring) and rings the submitter's eventfd, then stays awake for 1 ms looking for
+             the next record before it sleeps in poll, as a transfer manager does (FASTCACHE_SPIN_US); the
+             submitter sleeps on one rank's doorbell and reads the completion rings itself, as result() does.
+             Every answer is checked (the task it names). No handle, checks, metrics, I/O thread, copy or
+             scheduling: what the rings cost in Python.
 
 Whatever fastcache adds on top of these (validation, the copy, bookkeeping) shows as the difference to
-benchmarks/task_bench.py's or `python -m fastcache.launch`'s one-block p50.
+benchmarks/task_bench.py's or `python -m fastcache.launch`'s one-block p50; against `rings`, that difference
+is all the engine's and the transfer manager's own work around the mechanism.
 
     python benchmarks/queue_floor.py [--tp 2] [--samples 2000] [--json]
 """
@@ -23,6 +32,8 @@ import json
 import os
 import secrets
 import select
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +41,11 @@ import time
 import numpy as np
 import posix_ipc
 import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fastcache.ipc import done_ring, task_ring  # noqa: E402
+from fastcache.ipc.protocol import SWAP_TO_CPU  # noqa: E402
+from fastcache.ipc.shm import SharedSegment  # noqa: E402
 
 
 def zmq_rank(socket_dir, rank):
@@ -228,7 +244,82 @@ def one_cpu_floor(tp, samples):
         os.sched_setaffinity(0, allowed)
 
 
-FLOORS = {"zmq": zmq_floor, "semaphore": semaphore_floor, "eventfd": eventfd_floor, "one_cpu": one_cpu_floor}
+SPIN_S = 1e-3         # a transfer manager's FASTCACHE_SPIN_US default
+
+
+def rings_rank(suffix, token, rank, there, back):
+    tasks = task_ring.TaskRingReader(SharedSegment.attach(task_ring.ring_name(suffix, rank, 1), suffix), token,
+                                     rank, 1)
+    done = done_ring.RingWriter(SharedSegment.attach(done_ring.ring_name(suffix, rank, 1), suffix), token, rank, 1)
+    poll = select.poll()
+    poll.register(there, select.POLLIN)
+    while True:
+        if not tasks.pending():
+            poll.poll()
+        try:
+            os.eventfd_read(there)
+        except BlockingIOError:     # a record seen while spinning: its doorbell is still to clear
+            pass
+        records, _, _ = tasks.read((0, 0))
+        for record in records:
+            done.write(record.header["task_id"], 0, 0, 0.0)
+            os.eventfd_write(back, 1)
+        deadline = time.perf_counter() + SPIN_S     # awake a while after work, as a transfer manager is
+        while time.perf_counter() < deadline and not tasks.pending():
+            os.sched_yield()
+
+
+def rings_floor(tp, samples):
+    token, suffix = secrets.token_bytes(32), f"queue-floor-{secrets.token_hex(4)}"
+    writers, readers, bells, children = [], [], [], []
+    try:
+        for r in range(tp):
+            writers.append(task_ring.TaskRingWriter.create(suffix, token, r, 1))
+            readers.append(done_ring.RingReader(SharedSegment.create(done_ring.ring_name(suffix, r, 1),
+                                                                     done_ring.RING_BYTES, suffix), token, r, 1))
+            bells.append(os.eventfd(0, os.EFD_NONBLOCK))
+            children.append(fork(rings_rank, suffix, token, r, writers[r].bell, bells[r]))
+        sleeps = []
+        for bell in bells:
+            sleeps.append(select.poll())
+            sleeps[-1].register(bell, select.POLLIN)
+        latencies = []
+        cpu = time.process_time()
+        for i in range(1, samples + 1):
+            start = time.perf_counter()
+            record = task_ring.inline(i, SWAP_TO_CPU, [i % 512], [i % 256])
+            for writer in writers:
+                writer.put(i, record)
+            pending = set(range(tp))
+            while pending:
+                if not sleeps[max(pending)].poll(10_000):   # the rank expected last, as a waiter does
+                    raise RuntimeError(f"rings floor: no completion of task {i} within 10 s from ranks "
+                                       f"{sorted(pending)}")
+                for rank in list(pending):
+                    try:
+                        os.eventfd_read(bells[rank])
+                    except BlockingIOError:
+                        pass
+                    if readers[rank].unread():
+                        records, bad = readers[rank].read()
+                        if bad or [r[0] for r in records] != [i]:
+                            raise RuntimeError(f"rings floor: rank {rank} answered task {i} with {records}, "
+                                               f"bad {bad}")
+                        pending.discard(rank)
+            latencies.append(time.perf_counter() - start)
+        return latencies, time.process_time() - cpu
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for part in writers + readers:      # the creator's close unlinks each ring
+            part.close()
+        for bell in bells:
+            os.close(bell)
+
+
+FLOORS = {"zmq": zmq_floor, "semaphore": semaphore_floor, "eventfd": eventfd_floor, "one_cpu": one_cpu_floor,
+          "rings": rings_floor}
 
 
 def measure(tp: int, samples: int) -> dict:
