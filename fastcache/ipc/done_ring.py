@@ -7,8 +7,9 @@ lives in slot i % SLOTS: its commit word, its body, then the MAC of both (so the
 run). The writer fills the body and MAC first and the commit word (i + 1) last, so a reader that sees the
 commit word sees the body (x86 orders stores; the commit word is one aligned 8-byte store).
 The writer publishes how many it has written before it sleeps, every PUBLISH_EVERY records and when the ring is
-full (publish(): a MAC per record would cost more than the record), and the reader, every PUBLISH_EVERY records, how many it has read,
-each with its own MAC: a slot is reused only once the reader has said, under the token, that it read it.
+full (publish(): a MAC per record would cost more than the record), and the reader, every PUBLISH_EVERY records,
+how many it has read, each with its own MAC: a slot is reused only once the reader has said, under the token,
+that it read it.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
 without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A

@@ -6,8 +6,8 @@ eventfd the engine makes with the ring and the process inherits at spawn). The c
 One writer (the engine's submitting thread, under its submit lock) and one reader (the transfer manager's main
 thread). Record i (from 0) lives in slot i % SLOTS: its commit word, body and ids, then (at the slot's end) the
 MAC of those (one contiguous run for the reader to hash). The writer fills the body, ids and MAC first and the
-commit word (i + 1) last (x86 orders stores; the commit word is one aligned 8-byte store). A record carries the task
-inline: its sequence number (one numbering per rank, shared with the task pipe), task id, kind, flags, the
+commit word (i + 1) last (x86 orders stores; the commit word is one aligned 8-byte store). A record carries the
+task inline: its sequence number (one numbering per rank, shared with the task pipe), task id, kind, flags, the
 rank's fence and up to INLINE GPU and CPU block ids (int32). The reader publishes how many records it has
 read, under the token, every PUBLISH_EVERY records: the writer reuses a slot only after that. The engine's
 I/O thread publishes, under the token, how many records were written and the number of the last, so that the
