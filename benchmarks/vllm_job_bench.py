@@ -5,7 +5,8 @@ installed: run it with the vllm environment):
 
   - round trip (submit -> the job's TransferResult) p50/p99 of store and load jobs;
   - engine CPU per job: the CPU time of the submitting thread (the worker's own bookkeeping included) and of
-    the engine's I/O thread, each read from its thread's CPU clock;
+    the engine's I/O thread, each read from its thread's CPU clock; each job's vLLM spec objects are built
+    before the clocks start, as vLLM's scheduler side builds them, not the worker;
   - both as multiples of benchmarks/queue_floor.py's floors at tp=1, measured in the same run (the round trip,
     and the floor's own engine CPU per round trip).
 
@@ -60,14 +61,21 @@ class Jobs:
             FastcacheStoreSpec
         self.next_id = 1
 
-    def run(self, load: bool, block: int, chunk: int):
+    def prepare(self, load: bool, block: int, chunk: int):
+        """A job as vLLM's worker receives it: its id and spec objects, built by vLLM's scheduler side."""
         job_id, self.next_id = self.next_id, self.next_id + 1
         gpu = self.gpu_spec([block], group_sizes=[1], block_indices=[0])
         if load:
             cpu = self.load_spec([chunk], np.zeros(1, bool), np.zeros(1, np.uint64), np.zeros(1, np.uint64), 0)
-            self.w.submit_load(job_id, cpu, gpu)
         else:
             cpu = self.store_spec([chunk], np.array([job_id], np.uint64), np.zeros(0, np.uint64), 0)
+        return load, job_id, gpu, cpu
+
+    def run(self, job):
+        load, job_id, gpu, cpu = job
+        if load:
+            self.w.submit_load(job_id, cpu, gpu)
+        else:
             self.w.submit_store(job_id, gpu, cpu)
         self.w.wait({job_id})
         results = [r for r in self.w.get_finished() if r.job_id == job_id]
@@ -87,7 +95,7 @@ def measure(jobs: int) -> dict:
         run = Jobs(w)
         io_clock = thread_clock("fastcache-engine-io")
         for i in range(50):             # warm
-            run.run(False, i, i)
+            run.run(run.prepare(False, i, i))
         # as vLLM's engine core does once it has started: a collection of the oldest generation would otherwise
         # walk vLLM's whole import heap (about 0.2 s here) inside whichever jobs it lands in
         from vllm.utils.gc_utils import freeze_gc_heap
@@ -96,15 +104,17 @@ def measure(jobs: int) -> dict:
         half = NUM_BLOCKS // 2          # stores read blocks [0, half), loads write blocks [half, NUM_BLOCKS)
         want = {}
         for load in (False, True):
-            latencies = []
-            cpu0, io0 = time.thread_time(), time.clock_gettime(io_clock)
+            latencies, todo = [], []
             for i in range(jobs):
                 block = half + i % half if load else i % half
                 chunk = i % NUM_CHUNKS
                 if not load:
                     want[chunk] = block
+                todo.append(run.prepare(load, block, chunk))
+            cpu0, io0 = time.thread_time(), time.clock_gettime(io_clock)
+            for job in todo:
                 began = time.perf_counter()
-                run.run(load, block, chunk)
+                run.run(job)
                 latencies.append(time.perf_counter() - began)
             submit_cpu, io_cpu = time.thread_time() - cpu0, time.clock_gettime(io_clock) - io0
             steady = np.array(latencies[len(latencies) // 10:]) * 1e6

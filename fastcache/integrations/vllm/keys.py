@@ -37,17 +37,21 @@ def chunk_blocks(chunks, blocks_per_chunk: int) -> np.ndarray:
 
 
 def gpu_to_cpu_blocks(gpu_ids, group_sizes, block_indices, chunks, blocks_per_chunk: int):
-    """Pair each GPU block of a vLLM transfer with its fastcache CPU block.
+    """Pair each GPU block of a vLLM transfer with its fastcache CPU block: (GPU ids, CPU ids), lists of ints for
+    a transfer of at most SMALL GPU blocks (paired in plain Python: a one-block job's NumPy calls cost more than
+    the rest of its submission), int64 arrays otherwise; swap_out and swap_in take either, and both ways give
+    the same pairs.
 
     GPU blocks come grouped by KV group; group g's first block is block block_indices[g] of its request, so
-    its first chunk may be entered part-way (vLLM's own CPU worker counts the same way). A transfer of at most
-    SMALL GPU blocks is paired in plain Python (a one-block job's NumPy calls cost more than the rest of its
-    submission); both ways give the same pairs."""
+    its first chunk may be entered part-way (vLLM's own CPU worker counts the same way)."""
     bpc = blocks_per_chunk
     small = len(gpu_ids) <= SMALL
-    gpu_ids = np.asarray(gpu_ids, dtype=np.int64)
-    chunks = np.asarray(chunks, dtype=np.int64)
-    chunk_list = chunks.tolist() if small else None
+    if small:
+        gpu_ids = gpu_ids.tolist() if isinstance(gpu_ids, np.ndarray) else [int(g) for g in gpu_ids]
+        chunks = chunks.tolist() if isinstance(chunks, np.ndarray) else [int(c) for c in chunks]
+    else:
+        gpu_ids = np.asarray(gpu_ids, dtype=np.int64)
+        chunks = np.asarray(chunks, dtype=np.int64)
     cpu, g0, c0 = [], 0, 0
     for size, first in zip(group_sizes, block_indices):
         if size == 0:
@@ -58,7 +62,7 @@ def gpu_to_cpu_blocks(gpu_ids, group_sizes, block_indices, chunks, blocks_per_ch
             raise ValueError(f"{size} GPU blocks from block {first} need {used} chunks, "
                              f"{len(chunks) - c0} given")
         if small:
-            cpu += [chunk_list[c0 + i // bpc] * bpc + i % bpc for i in range(skip, skip + size)]
+            cpu += [chunks[c0 + i // bpc] * bpc + i % bpc for i in range(skip, skip + size)]
         else:
             logical = np.arange(size) + skip
             cpu.append(chunks[c0 + logical // bpc] * bpc + logical % bpc)
@@ -67,5 +71,5 @@ def gpu_to_cpu_blocks(gpu_ids, group_sizes, block_indices, chunks, blocks_per_ch
         raise ValueError(f"group sizes {list(group_sizes)} cover {g0} of {len(gpu_ids)} GPU blocks and "
                          f"{c0} of {len(chunks)} chunks")
     if small:
-        return gpu_ids, np.array(cpu, dtype=np.int64)
+        return gpu_ids, cpu
     return gpu_ids, (np.concatenate(cpu) if cpu else np.zeros(0, dtype=np.int64))

@@ -45,6 +45,10 @@ class WorkerLink:
         self.stamps = self.segment.array(np.uint64, (num_chunks,), HEADER_BYTES)
 
     def stamp(self, chunks, stamps):
+        if len(chunks) <= 2:        # most jobs are one chunk: plain indexing beats NumPy's call overhead
+            for chunk, value in zip(np.asarray(chunks).tolist(), np.asarray(stamps).tolist()):
+                self.stamps[chunk] = value
+            return
         self.stamps[np.asarray(chunks, dtype=np.int64)] = np.asarray(stamps, dtype=np.uint64)
 
     def close(self):

@@ -70,8 +70,8 @@ def cache_spec(kv_caches, num_cpu_blocks: int) -> CacheSpec:
 class Job:
     job_id: int
     load: bool
-    gpu: np.ndarray
-    cpu: np.ndarray
+    gpu: list | np.ndarray       # gpu_to_cpu_blocks' pairs: lists for a small transfer
+    cpu: list | np.ndarray
     spec: object                 # the manager's FastcacheStoreSpec / FastcacheLoadSpec
     handle: object = None        # the current task's TransferHandle (a fetch's, then the swap's)
     fence: object = None         # cuda: the swap waits for vLLM's stream as it was at submit (docs/design.md §10)
@@ -132,7 +132,7 @@ class FastcacheWorker(OffloadingWorker):
         gpu, cpu = gpu_to_cpu_blocks(dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
                                      src_spec.block_ids, self.bpc)
         if self._wrong_chunk:
-            cpu = (cpu + self.bpc) % self.backend.spec.num_cpu_blocks
+            cpu = (np.asarray(cpu) + self.bpc) % self.backend.spec.num_cpu_blocks
         job = self._jobs[job_id] = Job(job_id, True, gpu, cpu, src_spec)
         try:
             job.fence = self._fence()       # now, even if an L3 fetch comes first: what vLLM queued so far
