@@ -6,6 +6,9 @@ benchmarks/queue_floor.py measured in the same run:
     replies and completes the handles), each read from its thread's own CPU clock, and of the whole engine
     process (its in-process workers' heartbeat threads included);
   - pipelined one-block tasks per second, WINDOW tasks in flight;
+  - the same round trip and engine CPU with a 256-byte block (SMALL_BLOCK: one layer, one token, one head): the
+    control plane with next to no copy, where the default block's 128 KiB copy (16 rows the cache has not
+    touched lately) is part of the one-block figure and none of the floors';
   - the floors' own engine CPU per round trip (the submitting process's, all threads), and the task's as a
     multiple of each: what the bare wake-ups cost the engine in Python, with no record, MAC or handle.
 
@@ -33,6 +36,7 @@ import queue_floor  # noqa: E402
 WINDOW = 64         # pipelined tasks in flight
 SPEC = dict(num_layers=8, num_gpu_blocks=512, num_cpu_blocks=256, block_size=16, num_kv_heads=4, head_dim=64,
             cache_dtype="bfloat16")     # python -m fastcache.launch's default geometry: 128 KiB per block per rank
+SMALL_BLOCK = dict(SPEC, num_layers=1, block_size=1, num_kv_heads=1)     # 256 bytes per block per rank: K and V
 
 
 def thread_clock(name: str):
@@ -72,8 +76,8 @@ def randomize(worker, device, rng):
         rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
 
 
-def measure(tp: int, tasks: int, device: str = "sim") -> dict:
-    spec = CacheSpec(**SPEC)
+def measure(tp: int, tasks: int, device: str = "sim", geometry: dict = SPEC) -> dict:
+    spec = CacheSpec(**geometry)
     rng = np.random.default_rng(tp)
     framework = "torch" if device == "cuda" else "numpy"
     device_ids = [0] * tp if device == "cuda" else list(range(tp))     # cuda: every rank on GPU 0
@@ -137,6 +141,8 @@ def main():
         fig["floors"] = floors
         fig["x_floor"] = {name: fig["p50_us"] / f["p50_us"] for name, f in floors.items()}
         fig["cpu_x_floor"] = {name: fig["engine_cpu_us"] / f["engine_cpu_us"] for name, f in floors.items()}
+        small = fig["small_block"] = measure(tp, args.tasks, args.device, SMALL_BLOCK)
+        small["x_floor"] = {name: small["p50_us"] / f["p50_us"] for name, f in floors.items()}
         results[tp] = fig
         if not args.json:
             print(f"tp={tp}: one-block p50 {fig['p50_us']:.0f} µs, p99 {fig['p99_us']:.0f} µs; "
@@ -146,9 +152,12 @@ def main():
                   f"pipelined {fig['pipelined_per_s']:.0f} tasks/s; wrong blocks {fig['wrong_blocks']}")
             print("      the floors' engine CPU per round trip: " + ", ".join(
                 f"{n} {f['engine_cpu_us']:.0f} µs (x{fig['cpu_x_floor'][n]:.2f})" for n, f in floors.items()))
+            print(f"      a 256-byte block (next to no copy): p50 {small['p50_us']:.0f} µs ("
+                  + ", ".join(f"x{small['x_floor'][n]:.2f} {n}" for n in floors)
+                  + f"), engine CPU per task {small['engine_cpu_us']:.0f} µs; wrong blocks {small['wrong_blocks']}")
     if args.json:
         print(json.dumps(results))
-    return 1 if any(f["wrong_blocks"] for f in results.values()) else 0
+    return 1 if any(f["wrong_blocks"] or f["small_block"]["wrong_blocks"] for f in results.values()) else 0
 
 
 if __name__ == "__main__":
