@@ -15,7 +15,9 @@
 #   layers  benchmarks/layer_bench.py on cuda: layer 0 in place against the whole layer-by-layer swap-in, a stream wait
 #   vmm     tests/test_gpu_vmm.py alone: vLLM-shaped cuMemCreate KV tensors shared by POSIX descriptor, clear and restore
 #   tasks   benchmarks/task_bench.py on cuda at tp=1 and 2 (both ranks on GPU 0): the one-block task against the
-#           floors of benchmarks/queue_floor.py in the same run, the engine's CPU per task, pipelined tasks/s
+#           floors of benchmarks/queue_floor.py in the same run, the engine's CPU per task, pipelined tasks/s;
+#           then the same bench on sim at tp=1, 2 and 4 with a core for every process (a 2-vCPU machine runs
+#           the engine and two transfer managers on two cores at tp=2), in $OUT/tasks_sim.log
 # Each step runs under its own time limit, so a hang costs that step only. On a leased machine with a
 # per-call limit, run the steps as separate calls (e.g. `tests`, then `probe bench launch tier`).
 # Logs go to $OUT (default ./gpu-out). Python packages the machine lacks (posix_ipc and pyzmq on the
@@ -112,7 +114,10 @@ run_vmm() {
 }
 
 run_tasks() {
-    timeout 300 python3 benchmarks/task_bench.py --device cuda --tp 1 2 2>&1 | tee "$OUT/tasks.log"
+    local status=0
+    timeout 300 python3 benchmarks/task_bench.py --device cuda --tp 1 2 2>&1 | tee "$OUT/tasks.log" || status=1
+    timeout 240 python3 benchmarks/task_bench.py --tp 1 2 4 2>&1 | tee "$OUT/tasks_sim.log" || status=1
+    return $status
 }
 
 run_layers() {
