@@ -589,3 +589,56 @@ def test_each_job_takes_its_fence_on_the_current_stream_at_submit(vllm_api, monk
             assert calls[taken:] == [("swap_in", 101)], "the swap-in after the fetch carries the load's fence"
         else:
             assert calls == [("swap_out", None), ("store_to_cpu", None), ("swap_in", None)]
+
+
+class PendingHandle:
+    """A task handle that finishes when the test says so (result() past its timeout raises TimeoutError, as
+    TransferHandle's does); `finish_on_result` finishes it at that many result() calls."""
+    error = None
+
+    def __init__(self, finish_on_result: int = 0):
+        self.finished, self.calls, self.finish_on_result = False, 0, finish_on_result
+
+    def done(self):
+        return self.finished
+
+    def result(self, timeout=None):
+        self.calls += 1
+        if self.calls == self.finish_on_result:
+            self.finished = True
+        if not self.finished:
+            raise TimeoutError(f"task not done within {timeout} s")
+        return self
+
+
+def fake_worker(worker_mod, backend, stamps):
+    """A FastcacheWorker over a fake backend (sim device, one rank, two blocks per chunk) whose link records
+    the stamps written."""
+    w = object.__new__(worker_mod.FastcacheWorker)
+    w.device, w.device_id, w.bpc, w.rank, w.world_size = "sim", 0, 2, 0, 1
+    w.backend, w.cache_worker, w._wrong_chunk = backend, None, False
+    w._jobs, w._done, w._puts, w._load_errors = {}, [], [], set()
+    w.options = types.SimpleNamespace(transfer_timeout=TIMEOUT, store=None)
+    w.link = types.SimpleNamespace(stamp=lambda chunks, values: stamps.append((list(chunks), list(values))))
+    w.namespace, w.reset_scope, w._restarting = "ns", None, None
+    return w
+
+
+def test_a_load_the_manager_found_no_chunk_for_fails_without_a_task(vllm_api):
+    """The manager's NO_CHUNK (-1; manager.py): L3 hits no CPU chunk could take. The worker submits nothing
+    for that load, reports it failed and its GPU blocks as load errors (vLLM recomputes them)."""
+    worker_mod, jobs, base = vllm_api
+    calls, stamps = [], []
+    done = PendingHandle()
+    done.finished = True
+    backend = types.SimpleNamespace(swap_in=lambda *a, **k: calls.append("swap_in") or done,
+                                    store_to_cpu=lambda *a, **k: calls.append("store_to_cpu") or done,
+                                    failed_ranks={},
+                                    spec=types.SimpleNamespace(num_cpu_blocks=16, task_bytes=lambda gpu: 1))
+    w = fake_worker(worker_mod, backend, stamps)
+    load = jobs.FastcacheLoadSpec([-1, -1], np.ones(2, bool), np.arange(1, 3, dtype=np.uint64),
+                                  np.arange(4, dtype=np.uint64), 0)
+    assert w.submit_load(1, load, gpu_spec(base, [4, 5, 6, 7]))
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, False)]
+    assert w.take_load_errors() == {4, 5, 6, 7}
+    assert calls == [] and stamps == []

@@ -41,6 +41,7 @@ from .jobs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
 log = logging.getLogger("fastcache.vllm")
 
 STORING, READY, FETCHING = "storing", "ready", "fetching"
+NO_CHUNK = -1               # a load's L3 hit that no chunk could take: the worker fails that load (vLLM recomputes)
 STORE_BACKOFF = 10.0        # seconds a failed or silent store is not asked (every lookup a miss meanwhile)
 
 
@@ -79,24 +80,25 @@ class FastcacheManager(OffloadingManager):
     def prepare_load(self, keys, req_context) -> FastcacheLoadSpec:
         keys = list(keys)
         protect = set(keys)
-        chunks, fetch, stamps, fetched, pinned = [], [], [], [], []
+        # vLLM's scheduler lets no exception through: L3 hits that cannot all get a chunk (every other chunk
+        # stored, fetched, pinned or named here) evict nothing and go out as NO_CHUNK; the worker fails the
+        # load and vLLM recomputes its blocks.
+        missing = [k for k in dict.fromkeys(keys) if k not in self._entries]
+        placeable = not missing or len(missing) <= len(self._free) or \
+            self._can_evict(len(missing) - len(self._free), protect)
+        chunks, fetch, stamps, fetched = [], [], [], []
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:                   # an L3 hit: fetched into a chunk before the swap-in
-                chunk = self._take_chunk(protect)
-                if chunk is None:               # undo this call: nothing stays pinned or half-fetched
-                    for done in pinned:
-                        done.pins -= 1
-                    for done in fetched:
-                        self._free.append(self._entries.pop(done).chunk)
-                    raise RuntimeError("fastcache: no CPU chunk free for an L3 fetch (every chunk is in use)")
+                chunk = self._take_chunk(protect) if placeable else None
+                if chunk is None:
+                    chunk = NO_CHUNK
                 entry = self._entries[key] = Entry(chunk, FETCHING, self._new_stamp())
                 fetched.append(key)
                 fetch.append(True)
             else:
                 fetch.append(False)
             entry.pins += 1
-            pinned.append(entry)
             chunks.append(entry.chunk)
             stamps.append(entry.stamp)
         if keys:
@@ -186,6 +188,12 @@ class FastcacheManager(OffloadingManager):
         if not keys:
             return np.zeros(0, dtype=bool)
         entries = [self._entries[k] for k in keys]
+        if any(e.chunk == NO_CHUNK for e in entries):         # no chunk, no fetch: never stamped
+            ok = np.zeros(len(entries), dtype=bool)
+            placed = [i for i, e in enumerate(entries) if e.chunk != NO_CHUNK]
+            if placed:
+                ok[placed] = self._stamped([keys[i] for i in placed])
+            return ok
         try:
             return self._links.stamped([e.chunk for e in entries], [e.stamp for e in entries])
         except Exception as exc:                # no link, no proof: fail closed
@@ -204,13 +212,7 @@ class FastcacheManager(OffloadingManager):
         """n keys the policy gives up (it forgets them), none of an entry that is not ready (being stored or
         fetched), pinned by a load, or in protect; None, and nothing given up, when fewer than n can go."""
         entries = self._entries
-        found = 0
-        for key, entry in entries.items():      # enough to evict? (the policy forgets every victim it returns)
-            if entry.state == READY and entry.pins == 0 and key not in protect:
-                found += 1
-                if found == n:
-                    break
-        else:
+        if not self._can_evict(n, protect):     # the policy forgets every victim it returns: count first
             return None
 
         def skip(key):
@@ -224,12 +226,23 @@ class FastcacheManager(OffloadingManager):
             return None
         return victims
 
+    def _can_evict(self, n, protect) -> bool:
+        """Are there n entries that are ready, unpinned and not in protect?"""
+        found = 0
+        for key, entry in self._entries.items():
+            if entry.state == READY and entry.pins == 0 and key not in protect:
+                found += 1
+                if found == n:
+                    return True
+        return n <= 0
+
     def _drop(self, key, evicted: bool = False):
         """Remove an entry and free its chunk; the policy forgets it (a victim: already forgotten)."""
         entry = self._entries.pop(key)
         if not evicted:
             self._policy.remove(key)
-        self._free.append(entry.chunk)
+        if entry.chunk != NO_CHUNK:
+            self._free.append(entry.chunk)
 
     def _in_store(self, key) -> bool:
         if time.monotonic() < self._store_aside_until:

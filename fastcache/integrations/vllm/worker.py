@@ -129,6 +129,10 @@ class FastcacheWorker(OffloadingWorker):
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        if (src_spec.block_ids < 0).any():     # the manager's NO_CHUNK: L3 hits it found no CPU chunk for
+            job = self._jobs[job_id] = Job(job_id, True, list(map(int, dst_spec.block_ids)), [], src_spec)
+            job.error = "no CPU chunk was free for its L3 fetch"
+            return True
         gpu, cpu = gpu_to_cpu_blocks(dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
                                      src_spec.block_ids, self.bpc)
         if self._wrong_chunk:
