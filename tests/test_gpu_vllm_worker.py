@@ -624,6 +624,39 @@ def fake_worker(worker_mod, backend, stamps):
     return w
 
 
+def test_a_load_past_its_timeout_is_reported_only_once_its_swap_in_ended(vllm_api):
+    """A swap-in writes vLLM's GPU blocks. Reporting its load (failed: vLLM recomputes, and frees the blocks if
+    the request goes) while the copy may still land would let that copy write over KV vLLM computed there
+    since, another request's included. So a load past the transfer timeout is reported, by get_finished or
+    wait, only once its swap-in ended; a store past it is reported failed at once (its copy only writes its
+    own chunk, which the manager drops unstamped and whose next task the transfer manager runs after it)."""
+    worker_mod, jobs, base = vllm_api
+    handles, stamps = [], []
+
+    def submit(*args, **kwargs):
+        handles.append(PendingHandle(finish_on_result=2 if len(handles) == 1 else 0))
+        return handles[-1]
+    backend = types.SimpleNamespace(swap_in=submit, swap_out=submit, failed_ranks={},
+                                    spec=types.SimpleNamespace(num_cpu_blocks=16, task_bytes=lambda gpu: 1))
+    w = fake_worker(worker_mod, backend, stamps)
+    load = jobs.FastcacheLoadSpec([1], np.zeros(1, bool), np.ones(1, np.uint64), np.zeros(0, np.uint64), 0)
+    assert w.submit_load(1, load, gpu_spec(base, [4, 5]))
+    assert w.submit_load(2, load, gpu_spec(base, [6, 7]))
+    assert w.submit_store(3, gpu_spec(base, [8, 9]), jobs.FastcacheStoreSpec([2], np.full(1, 7, np.uint64),
+                                                                             np.zeros(0, np.uint64), 0))
+    for job in w._jobs.values():
+        job.started -= 2 * TIMEOUT                           # every job is past its timeout
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(3, False)]
+    assert w.take_load_errors() == set(), "a load was reported while its swap-in could still write its blocks"
+    w.wait({2})                                              # its swap-in ends during the wait
+    assert handles[1].done()
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(2, True)]
+    assert w.get_finished() == [] and not handles[0].done()
+    handles[0].finished = handles[2].finished = True         # the first load's copy and the store's land
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, True)]
+    assert w.take_load_errors() == set() and stamps == [], "a store reported failed must never be stamped"
+
+
 def test_a_load_the_manager_found_no_chunk_for_fails_without_a_task(vllm_api):
     """The manager's NO_CHUNK (-1; manager.py): L3 hits no CPU chunk could take. The worker submits nothing
     for that load, reports it failed and its GPU blocks as load errors (vLLM recomputes them)."""

@@ -30,7 +30,7 @@ class VllmOptions:
     cpu_bytes_to_use: int            # the CPU tier, every worker's share together (as vLLM's CPU spec counts it)
     store: str | None = None         # L3: mooncake://HOST:PORT or file:///DIR
     namespace: str | None = None     # model and weight version in L3 keys; default: the model's name
-    transfer_timeout: float = 30.0   # seconds a transfer may take before vLLM is told it failed
+    transfer_timeout: float = 30.0   # seconds before vLLM is told a transfer failed (a swap-in: once it ended)
     policy: str = DEFAULT_POLICY     # the CPU tier's eviction policy (fastcache/eviction.py's POLICIES)
     store_timeout: float = QUERY_TIMEOUT    # seconds a scheduler lookup waits for the store (then a miss)
 

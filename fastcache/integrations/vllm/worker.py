@@ -78,6 +78,7 @@ class Job:
     fetching: bool = False
     started: float = dataclasses.field(default_factory=time.monotonic)
     error: str | None = None
+    overdue: bool = False        # a swap-in past transfer_timeout (warned once; still reported only when it ends)
 
 
 class FastcacheWorker(OffloadingWorker):
@@ -166,8 +167,11 @@ class FastcacheWorker(OffloadingWorker):
                 if job.handle is not None and job.error is None:
                     try:
                         job.handle.result(timeout=self.options.transfer_timeout)
-                    except (TransferError, TimeoutError) as exc:
+                    except TransferError as exc:
                         job.error = str(exc)
+                    except TimeoutError as exc:
+                        if not self._writes_gpu(job):   # a swap-in is waited for to its end (_advance)
+                            job.error = str(exc)
                 self._advance(job)
 
     def take_load_errors(self) -> set[int]:
@@ -207,6 +211,15 @@ class FastcacheWorker(OffloadingWorker):
         if job.error is None and not job.handle.done():
             if time.monotonic() - job.started < self.options.transfer_timeout:
                 return
+            if self._writes_gpu(job):
+                # Reported, failed or not, its blocks go back to vLLM (recomputed, or freed with their request)
+                # while the copy may still land in them: it is reported once it ended (a transfer manager that
+                # dies or stops answering ends its tasks: docs/design.md §10).
+                if not job.overdue:
+                    job.overdue = True
+                    log.warning("fastcache: load job %d has no result after %g s; waiting for its swap-in",
+                                job.job_id, self.options.transfer_timeout)
+                return
             job.error = f"no result after {self.options.transfer_timeout} s"
         if job.error is None and job.handle.error is not None:
             job.error = job.handle.error
@@ -225,6 +238,11 @@ class FastcacheWorker(OffloadingWorker):
             self._write_through(job.spec)
         nbytes = self.backend.spec.task_bytes(job.gpu)
         self._done.append(TransferResult(job.job_id, True, nbytes, time.monotonic() - job.started))
+
+    @staticmethod
+    def _writes_gpu(job) -> bool:
+        """Is the job's task in flight a swap-in (a load past its L3 fetch)?"""
+        return job.load and not job.fetching and job.handle is not None
 
     def _failed(self, job):
         log.warning("fastcache: %s job %d failed: %s", "load" if job.load else "store", job.job_id, job.error)
