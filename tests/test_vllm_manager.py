@@ -43,12 +43,13 @@ def world(request):
 
 
 @contextlib.contextmanager
-def manager_world(**kwargs):
-    """world's manager and land(), the manager made with these arguments (store=, policy=, ...)."""
+def manager_world(scopes=(None,) * RANKS, **kwargs):
+    """world's manager and land(), the manager made with these arguments (store=, policy=, ...); scopes: each
+    rank's reset scope, as its worker writes it into its link."""
     from fastcache.integrations.vllm.link import ManagerLinks, WorkerLink
     from fastcache.integrations.vllm.manager import FastcacheManager
     engine = f"test-manager-{os.getpid()}-{next(_engines)}"
-    workers = [WorkerLink(engine, r, LINK_SPEC, CHUNKS, "ns") for r in range(RANKS)]
+    workers = [WorkerLink(engine, r, LINK_SPEC, CHUNKS, "ns", scopes[r]) for r in range(RANKS)]
     manager = FastcacheManager(CHUNKS, 1, ManagerLinks(engine, RANKS, wait=1), RANKS, **kwargs)
 
     def land(spec, ranks=range(RANKS), only=None):
@@ -355,7 +356,7 @@ def l3_key(n: int) -> bytes:
     return (n + 1).to_bytes(8, "big") * 4 + bytes(4)
 
 
-def l3_put(url, keys_by_rank):
+def l3_put(url, keys_by_rank, generation=0, scopes=(None,) * RANKS):
     """Puts random objects of these keys into the store at url, for each rank's namespace as the workers do."""
     from fastcache.integrations.vllm.jobs import rank_namespace
     from fastcache.integrations.vllm.keys import block_hashes
@@ -366,7 +367,7 @@ def l3_put(url, keys_by_rank):
         store.attach(rng.integers(0, 256, (CHUNKS, LINK_SPEC.cpu_block_stride), dtype=np.uint8),
                      LINK_SPEC.cpu_block_bytes)
         for rank, keys in keys_by_rank.items():
-            ns = ObjectKeys(rank_namespace("ns", 0, rank, RANKS), fingerprint(LINK_SPEC, 1), 0)
+            ns = ObjectKeys(rank_namespace("ns", generation, rank, RANKS, scopes[rank]), fingerprint(LINK_SPEC, 1), 0)
             store.put(ns, block_hashes([l3_key(k) for k in keys], 1), np.arange(len(keys)))
     finally:
         store.close()
@@ -380,6 +381,47 @@ def test_an_l3_lookup_is_a_hit_only_when_every_ranks_own_namespace_holds_the_key
         found = [manager.lookup(l3_key(k), None) == LookupResult.HIT for k in (7, 8, 9, 10)]
         assert found == [True, False, False, False]
         assert manager._store is not None and manager._store._proc is not None     # asked through the child
+
+
+def test_after_a_reset_each_engine_start_names_its_l3_objects_apart_even_under_one_engine_id(monkeypatch):
+    """A generation after a reset holds weights that came into the engine unseen, so its L3 objects must be
+    this engine start's alone. vLLM's engine id is the user's to set (kv_transfer_config.engine_id): an engine
+    started again under the same id, on the same checkpoint, then given other weights and reset as often,
+    must not find the first start's objects. Each worker takes a scope of its own process under a default
+    namespace (none under an explicit one: its user names the weights)."""
+    from types import SimpleNamespace
+    from fastcache.integrations.vllm import spec as spec_mod
+    from fastcache.integrations.vllm.jobs import rank_namespace
+    from fastcache.integrations.vllm.options import VllmOptions
+    made = []
+    monkeypatch.setattr(spec_mod, "FastcacheWorker", lambda kv_caches, **kwargs: made.append(kwargs) or kwargs)
+    monkeypatch.setattr(spec_mod, "weights_namespace", lambda name, dtype: "LlamaForCausalLM/wabc")
+    for namespace in (None, None, "team/step-3"):
+        spec = object.__new__(spec_mod.FastcacheOffloadingSpec)     # what __init__ leaves, one engine start
+        spec.options = VllmOptions.from_extra_config({"cpu_bytes_to_use": 1 << 20, "namespace": namespace})
+        spec.config = SimpleNamespace(engine_id="my-engine", model=SimpleNamespace(name="m", dtype="auto"))
+        spec.namespace, spec._worker = namespace, None
+        spec.rank, spec.world_size, spec.num_chunks, spec.blocks_per_chunk = 0, 1, 4, 1
+        spec.get_worker(None)
+    first, again, explicit = (m["reset_scope"] for m in made)
+    assert first.startswith("my-engine") and again.startswith("my-engine")
+    assert rank_namespace(made[0]["namespace"], 1, 0, 1, first) != rank_namespace(made[1]["namespace"], 1, 0, 1, again)
+    assert rank_namespace(made[0]["namespace"], 0, 0, 1, first) == rank_namespace(made[1]["namespace"], 0, 0, 1, again)
+    assert explicit is None
+
+
+def test_after_a_reset_an_l3_lookup_asks_for_each_ranks_objects_under_that_ranks_scope(tmp_path):
+    """Each worker process names its objects after a reset with its own scope (written into its link): a
+    lookup is a hit only where every rank's object lies under that rank's scope and the current generation."""
+    url, scopes = f"file://{tmp_path}/l3", ("e-r0", "e-r1")
+    l3_put(url, {0: [7, 8, 9], 1: [7, 8]}, generation=1, scopes=scopes)
+    l3_put(url, {0: [9], 1: [9]}, generation=1, scopes=("e-r0", "e-r0"))       # rank 1's under rank 0's scope
+    with manager_world(scopes=scopes, store=url) as (manager, _):
+        from vllm.v1.kv_offload.base import LookupResult
+        assert manager.lookup(l3_key(7), None) == LookupResult.MISS            # generation 0: nothing there
+        manager.reset_cache()
+        found = [manager.lookup(l3_key(k), None) == LookupResult.HIT for k in (7, 8, 9)]
+        assert found == [True, True, False]
 
 
 def test_a_hung_master_costs_a_lookup_a_bounded_miss_and_never_freezes_the_scheduler(monkeypatch):

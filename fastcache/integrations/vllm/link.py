@@ -66,7 +66,7 @@ class ManagerLinks:
         self._stamps = []
         self.spec: CacheSpec | None = None
         self.namespace: str | None = None
-        self.reset_scope: str | None = None
+        self.reset_scopes: list[str | None] = []        # each rank's: its worker process names its own
 
     def _attach(self):
         if self._segments is not None:
@@ -86,10 +86,9 @@ class ManagerLinks:
             for seg in segments:
                 seg.close()
             raise
-        raw = bytes(segments[0].array(np.uint8, (HEADER_BYTES,))).rstrip(b"\0")
-        header = json.loads(raw)
-        self.spec, self.namespace = CacheSpec(**header["spec"]), header["namespace"]
-        self.reset_scope = header.get("reset_scope")
+        headers = [json.loads(bytes(seg.array(np.uint8, (HEADER_BYTES,))).rstrip(b"\0")) for seg in segments]
+        self.spec, self.namespace = CacheSpec(**headers[0]["spec"]), headers[0]["namespace"]
+        self.reset_scopes = [header.get("reset_scope") for header in headers]
         num_chunks = (segments[0].size - HEADER_BYTES) // 8
         self._stamps = [seg.array(np.uint64, (num_chunks,), HEADER_BYTES) for seg in segments]
         self._segments = segments

@@ -253,8 +253,8 @@ class FastcacheManager(OffloadingManager):
                 if self._store is None:
                     self._store = RemoteStore(self._store_url, self._store_timeout)
                 fp = fingerprint(spec, 1)
-                scope = self._links.reset_scope
-                self._l3_keys = [ObjectKeys(rank_namespace(namespace, self.generation, r, self.world_size, scope),
+                scopes = self._links.reset_scopes
+                self._l3_keys = [ObjectKeys(rank_namespace(namespace, self.generation, r, self.world_size, scopes[r]),
                                             fp, 0) for r in range(self.world_size)]
             hashes = block_hashes([key], self.blocks_per_chunk)
             return bool(self._store.exists_every_rank(self._l3_keys, hashes).all())

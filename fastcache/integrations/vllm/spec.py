@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import OffloadingSpec
 
+from .jobs import engine_scope
 from .lineage import LineageError, checkpoint_digest, default_namespace, process_start_ns
 from .link import ManagerLinks
 from .manager import FastcacheManager
@@ -65,7 +66,8 @@ class FastcacheOffloadingSpec(OffloadingSpec):
                                            world_size=self.world_size, num_chunks=self.num_chunks,
                                            blocks_per_chunk=self.blocks_per_chunk, options=self.options,
                                            namespace=self.namespace,
-                                           reset_scope=None if self.options.namespace else self.config.engine_id)
+                                           reset_scope=None if self.options.namespace else
+                                           engine_scope(self.config.engine_id))
         return self._worker
 
 
