@@ -657,21 +657,34 @@ def test_a_load_past_its_timeout_is_reported_only_once_its_swap_in_ended(vllm_ap
     assert w.take_load_errors() == set() and stamps == [], "a store reported failed must never be stamped"
 
 
-def test_a_load_the_manager_found_no_chunk_for_fails_without_a_task(vllm_api):
-    """The manager's NO_CHUNK (-1; manager.py): L3 hits no CPU chunk could take. The worker submits nothing
-    for that load, reports it failed and its GPU blocks as load errors (vLLM recomputes them)."""
+def test_the_blocks_of_keys_the_manager_found_no_chunk_for_fail_and_the_rest_load(vllm_api):
+    """The manager's NO_CHUNK (-1; manager.py): L3 hits no CPU chunk could take. The worker fetches and loads
+    the other chunks, stamps only the fetched ones, and reports the NO_CHUNK keys' GPU blocks as load errors
+    (vLLM recomputes from the first of them on); a load of NO_CHUNK keys alone submits nothing."""
     worker_mod, jobs, base = vllm_api
     calls, stamps = [], []
     done = PendingHandle()
     done.finished = True
-    backend = types.SimpleNamespace(swap_in=lambda *a, **k: calls.append("swap_in") or done,
-                                    store_to_cpu=lambda *a, **k: calls.append("store_to_cpu") or done,
+
+    def record(name):
+        return lambda *args, **kwargs: calls.append((name, *[np.asarray(a).tolist() for a in args])) or done
+    backend = types.SimpleNamespace(swap_in=record("swap_in"), store_to_cpu=record("store_to_cpu"),
                                     failed_ranks={},
                                     spec=types.SimpleNamespace(num_cpu_blocks=16, task_bytes=lambda gpu: 1))
     w = fake_worker(worker_mod, backend, stamps)
-    load = jobs.FastcacheLoadSpec([-1, -1], np.ones(2, bool), np.arange(1, 3, dtype=np.uint64),
-                                  np.arange(4, dtype=np.uint64), 0)
-    assert w.submit_load(1, load, gpu_spec(base, [4, 5, 6, 7]))
+    load = jobs.FastcacheLoadSpec([5, 3, -1], np.array([False, True, True]), np.arange(1, 4, dtype=np.uint64),
+                                  np.arange(10, 14, dtype=np.uint64), 0)
+    assert w.submit_load(1, load, gpu_spec(base, [4, 5, 6, 7, 8, 9]))
+    assert w.get_finished() == [] and w.take_load_errors() == set()     # the fetch landed: now the swap-in
     assert [(r.job_id, r.success) for r in w.get_finished()] == [(1, False)]
+    assert calls == [("store_to_cpu", "ns/gen0/tp1r0", [10, 11], [6, 7]),
+                     ("swap_in", [4, 5, 6, 7], [10, 11, 6, 7])]
+    assert stamps == [([3], [2])]                            # the fetched chunk's stamp, nothing for NO_CHUNK
+    assert w.take_load_errors() == {8, 9}
+    calls.clear()
+    alone = jobs.FastcacheLoadSpec([-1, -1], np.ones(2, bool), np.arange(1, 3, dtype=np.uint64),
+                                   np.arange(4, dtype=np.uint64), 0)
+    assert w.submit_load(2, alone, gpu_spec(base, [4, 5, 6, 7]))
+    assert [(r.job_id, r.success) for r in w.get_finished()] == [(2, False)]
     assert w.take_load_errors() == {4, 5, 6, 7}
-    assert calls == [] and stamps == []
+    assert calls == [] and stamps == [([3], [2])]

@@ -164,11 +164,12 @@ def test_a_failed_l3_fetch_never_becomes_a_hit(world, monkeypatch):
     assert sorted(manager._free) == sorted(set(range(CHUNKS)) - {int(manager._entries[key(6)].chunk)})
 
 
-def test_l3_hits_that_no_chunk_can_take_fail_their_load_instead_of_the_scheduler(world, monkeypatch):
+def test_l3_hits_that_no_chunk_can_take_fail_their_blocks_instead_of_the_scheduler(world, monkeypatch):
     """vLLM's scheduler calls prepare_load for every key lookup called a hit and lets no exception through:
-    a prompt whose L3 prefix is longer than the CPU tier has room for must not stop the engine. Its load is
-    handed out marked failed (NO_CHUNK: the worker fails it, vLLM recomputes those blocks), evicts
-    nothing, pins nothing for good, and none of its keys becomes a hit."""
+    a prompt whose L3 prefix is longer than the CPU tier has room for must not stop the engine. The keys that
+    find a chunk (free, or evicted: ready, unpinned, not named by the load) are fetched, in the load's order,
+    so its prefix loads; the rest go out as NO_CHUNK (the worker fails their blocks and vLLM recomputes them),
+    hold no chunk, and are dropped at complete_load."""
     from fastcache.integrations.vllm.manager import NO_CHUNK
     manager, land = world
     manager._store_url = "file:///unused"
@@ -178,16 +179,18 @@ def test_l3_hits_that_no_chunk_can_take_fail_their_load_instead_of_the_scheduler
     held = manager.prepare_store([key(2)], None)             # one chunk being stored: not evictable
     assert hits(manager, 1, 5, 6, 7) == [True] * 4
     load = manager.prepare_load([key(5), key(6), key(7)], None)   # three L3 hits, room for two
-    assert load.fetch.tolist() == [True, True, True]
-    assert (load.block_ids == NO_CHUNK).all()
-    assert hits(manager, 1) == [True]                        # nothing was evicted for a load that fails
+    assert load.fetch.tolist() == [True, True, True] and len(load.hashes) == 3
+    placed = load.block_ids[:2].tolist()
+    assert load.block_ids[2] == NO_CHUNK and sorted(placed + held.store_spec.block_ids.tolist()) == [0, 1, 2]
+    assert hits(manager, 1) == [False]                       # evicted for key 6's fetch
+    land(load, only=np.array([True, True, False]))           # the two fetches landed on every rank
     manager.complete_load([key(5), key(6), key(7)], None)
     in_store.clear()
-    assert hits(manager, 1, 5, 6, 7) == [True, False, False, False]
-    assert len(manager._free) == 1                           # key 1's and key 2's chunks held, none lost
+    assert hits(manager, 5, 6, 7) == [True, True, False]
+    assert manager._free == []                               # keys 5, 6 and 2 hold the three chunks
     land(held.store_spec)
     manager.complete_store(held.keys_to_store, None)
-    assert hits(manager, 2) == [True] and len(manager._policy) == len(manager._entries) == 2
+    assert hits(manager, 2) == [True] and len(manager._policy) == len(manager._entries) == 3
 
 
 def test_reset_drops_everything_and_moves_l3_to_a_new_generation(world):

@@ -41,7 +41,7 @@ from .jobs import FastcacheLoadSpec, FastcacheStoreSpec, rank_namespace
 log = logging.getLogger("fastcache.vllm")
 
 STORING, READY, FETCHING = "storing", "ready", "fetching"
-NO_CHUNK = -1               # a load's L3 hit that no chunk could take: the worker fails that load (vLLM recomputes)
+NO_CHUNK = -1               # a load's L3 hit no chunk could take: the worker fails its blocks (vLLM recomputes)
 STORE_BACKOFF = 10.0        # seconds a failed or silent store is not asked (every lookup a miss meanwhile)
 
 
@@ -80,19 +80,13 @@ class FastcacheManager(OffloadingManager):
     def prepare_load(self, keys, req_context) -> FastcacheLoadSpec:
         keys = list(keys)
         protect = set(keys)
-        # vLLM's scheduler lets no exception through: L3 hits that cannot all get a chunk (every other chunk
-        # stored, fetched, pinned or named here) evict nothing and go out as NO_CHUNK; the worker fails the
-        # load and vLLM recomputes its blocks.
-        missing = [k for k in dict.fromkeys(keys) if k not in self._entries]
-        placeable = not missing or len(missing) <= len(self._free) or \
-            self._can_evict(len(missing) - len(self._free), protect)
         chunks, fetch, stamps, fetched = [], [], [], []
         for key in keys:
             entry = self._entries.get(key)
             if entry is None:                   # an L3 hit: fetched into a chunk before the swap-in
-                chunk = self._take_chunk(protect) if placeable else None
-                if chunk is None:
-                    chunk = NO_CHUNK
+                chunk = self._take_chunk(protect)
+                if chunk is None:               # none free or evictable: the worker fails this key's blocks
+                    chunk = NO_CHUNK            # (vLLM recomputes them); raising would stop vLLM's scheduler
                 entry = self._entries[key] = Entry(chunk, FETCHING, self._new_stamp())
                 fetched.append(key)
                 fetch.append(True)
@@ -212,7 +206,13 @@ class FastcacheManager(OffloadingManager):
         """n keys the policy gives up (it forgets them), none of an entry that is not ready (being stored or
         fetched), pinned by a load, or in protect; None, and nothing given up, when fewer than n can go."""
         entries = self._entries
-        if not self._can_evict(n, protect):     # the policy forgets every victim it returns: count first
+        found = 0
+        for key, entry in entries.items():      # enough to evict? (the policy forgets every victim it returns)
+            if entry.state == READY and entry.pins == 0 and key not in protect:
+                found += 1
+                if found == n:
+                    break
+        else:
             return None
 
         def skip(key):
@@ -225,16 +225,6 @@ class FastcacheManager(OffloadingManager):
                 self._drop(key, evicted=True)
             return None
         return victims
-
-    def _can_evict(self, n, protect) -> bool:
-        """Are there n entries that are ready, unpinned and not in protect?"""
-        found = 0
-        for key, entry in self._entries.items():
-            if entry.state == READY and entry.pins == 0 and key not in protect:
-                found += 1
-                if found == n:
-                    return True
-        return n <= 0
 
     def _drop(self, key, evicted: bool = False):
         """Remove an entry and free its chunk; the policy forgets it (a victim: already forgotten)."""

@@ -78,6 +78,7 @@ class Job:
     fetching: bool = False
     started: float = dataclasses.field(default_factory=time.monotonic)
     error: str | None = None
+    unplaced: list = dataclasses.field(default_factory=list)    # a load's GPU blocks of NO_CHUNK keys: failed
     overdue: bool = False        # a swap-in past transfer_timeout (warned once; still reported only when it ends)
 
 
@@ -130,25 +131,31 @@ class FastcacheWorker(OffloadingWorker):
         return True
 
     def submit_load(self, job_id, src_spec, dst_spec) -> bool:
-        if (src_spec.block_ids < 0).any():     # the manager's NO_CHUNK: L3 hits it found no CPU chunk for
-            job = self._jobs[job_id] = Job(job_id, True, list(map(int, dst_spec.block_ids)), [], src_spec)
-            job.error = "no CPU chunk was free for its L3 fetch"
-            return True
         gpu, cpu = gpu_to_cpu_blocks(dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices,
                                      src_spec.block_ids, self.bpc)
+        unplaced = []
+        if len(cpu) and (min(cpu) if type(cpu) is list else cpu.min()) < 0:
+            # the manager's NO_CHUNK: L3 hits no CPU chunk could take; their blocks fail, the rest load
+            keep = np.asarray(cpu) >= 0
+            unplaced = np.asarray(gpu)[~keep].tolist()
+            gpu, cpu = np.asarray(gpu)[keep], np.asarray(cpu)[keep]
         if self._wrong_chunk:
             cpu = (np.asarray(cpu) + self.bpc) % self.backend.spec.num_cpu_blocks
-        job = self._jobs[job_id] = Job(job_id, True, gpu, cpu, src_spec)
+        job = self._jobs[job_id] = Job(job_id, True, gpu, cpu, src_spec, unplaced=unplaced)
+        if unplaced and not len(gpu):
+            job.error = "no CPU chunk was free for its L3 fetch"
+            return True
         try:
             job.fence = self._fence()       # now, even if an L3 fetch comes first: what vLLM queued so far
         except TransferError as exc:
             job.error = str(exc)
             return True
-        if src_spec.fetch.any():
+        fetch = src_spec.fetch & (src_spec.block_ids >= 0) if src_spec.fetch.any() else None
+        if fetch is not None and fetch.any():
             job.fetching = True
-            fetched = chunk_blocks(src_spec.block_ids[src_spec.fetch], self.bpc)
-            self._start(job, lambda: self.backend.store_to_cpu(self._l3_namespace(src_spec), src_spec.hashes,
-                                                               fetched))
+            fetched = chunk_blocks(src_spec.block_ids[fetch], self.bpc)
+            hashes = src_spec.hashes.reshape(-1, self.bpc)[fetch[src_spec.fetch]].reshape(-1)
+            self._start(job, lambda: self.backend.store_to_cpu(self._l3_namespace(src_spec), hashes, fetched))
         else:
             self._start(job, lambda: self.backend.swap_in(gpu, cpu, fence=job.fence))
         return True
@@ -225,7 +232,8 @@ class FastcacheWorker(OffloadingWorker):
             job.error = job.handle.error
         if job.error is None and job.fetching:
             spec = job.spec
-            self.link.stamp(spec.block_ids[spec.fetch], spec.stamps[spec.fetch])
+            fetched = spec.fetch & (spec.block_ids >= 0)
+            self.link.stamp(spec.block_ids[fetched], spec.stamps[fetched])
             job.fetching = False
             self._start(job, lambda: self.backend.swap_in(job.gpu, job.cpu, fence=job.fence))
             return
@@ -236,6 +244,10 @@ class FastcacheWorker(OffloadingWorker):
         if not job.load:
             self.link.stamp(job.spec.block_ids, job.spec.stamps)
             self._write_through(job.spec)
+        elif job.unplaced:          # the rest landed; vLLM recomputes these (from the first of them on)
+            self._load_errors.update(job.unplaced)
+            self._done.append(TransferResult(job.job_id, False))
+            return
         nbytes = self.backend.spec.task_bytes(job.gpu)
         self._done.append(TransferResult(job.job_id, True, nbytes, time.monotonic() - job.started))
 
@@ -248,6 +260,7 @@ class FastcacheWorker(OffloadingWorker):
         log.warning("fastcache: %s job %d failed: %s", "load" if job.load else "store", job.job_id, job.error)
         if job.load:
             self._load_errors.update(int(b) for b in job.gpu)
+            self._load_errors.update(job.unplaced)
         self._done.append(TransferResult(job.job_id, False))
         self._recover()
 
