@@ -205,6 +205,30 @@ def test_reset_drops_everything_and_moves_l3_to_a_new_generation(world):
     assert manager.prepare_store([key(4)], None).store_spec.generation == 1
 
 
+
+def test_a_request_running_across_a_reset_stores_nothing_after_it(world):
+    """vLLM's connector reset makes every running request offer its chunks again from the first; with
+    reset_running_requests=False those requests keep their blocks, computed under the weights before the reset.
+    Their KV never enters the new cache; a request shown to the manager after the reset stores as ever."""
+    from vllm.v1.kv_offload.base import ReqContext
+    manager, land = world
+    old, new = ReqContext(req_id="before"), ReqContext(req_id="after")
+    manager.on_new_request(old)
+    first = manager.prepare_store([key(1)], old)
+    assert first.keys_to_store == [key(1)]           # the same request stores before the reset
+    land(first.store_spec)
+    manager.complete_store(first.keys_to_store, old)
+    manager.reset_cache()
+    again = manager.prepare_store([key(1), key(2)], old)
+    assert again.keys_to_store == [] and again.evicted_keys == [] and len(again.store_spec.block_ids) == 0
+    manager.on_new_request(new)
+    fresh = manager.prepare_store([key(1), key(2)], new)
+    assert fresh.keys_to_store == [key(1), key(2)]
+    land(fresh.store_spec)
+    manager.complete_store(fresh.keys_to_store, new)
+    assert hits(manager, 1, 2) == [True, True]
+
+
 def test_reset_scope_names_the_engine_after_a_reset_under_a_default_namespace():
     from fastcache.integrations.vllm.jobs import rank_namespace
     assert rank_namespace("m/wabc", 0, 1, 2, "engine-a") == rank_namespace("m/wabc", 0, 1, 2, "engine-b")

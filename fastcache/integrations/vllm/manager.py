@@ -13,7 +13,8 @@ TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
 - Fail closed: a stored chunk becomes visible only once every worker rank stamped it (link.py); a failed
   store drops it, as does a failed fetch from L3.
 - Weights change, the cache goes: reset_cache() (vLLM's reset_prefix_cache(reset_connector=True)) drops every
-  entry and moves L3 to a new namespace generation, so nothing stored before is served.
+  entry and moves L3 to a new namespace generation, so nothing stored before is served; a request vLLM showed
+  the manager before the reset stores nothing after it (vLLM offers its chunks again, KV of the old weights).
 - L3 (optional): a key missing from the CPU tier but held by the store for every rank is a hit; its load
   first fetches it into a chunk (the worker runs the fetch, then the swap-in). The manager asks the store
   through the engine's bounded client in a child process (store/remote.py), never a store client of its
@@ -43,6 +44,14 @@ log = logging.getLogger("fastcache.vllm")
 STORING, READY, FETCHING = "storing", "ready", "fetching"
 NO_CHUNK = -1               # a load's L3 hit no chunk could take: the worker fails its blocks (vLLM recomputes)
 STORE_BACKOFF = 10.0        # seconds a failed or silent store is not asked (every lookup a miss meanwhile)
+
+
+class Born:
+    """A request's state in its ReqContext: the manager's generation when vLLM first showed it the request."""
+    __slots__ = ("generation",)
+
+    def __init__(self, generation: int):
+        self.generation = generation
 
 
 class Entry:
@@ -125,6 +134,12 @@ class FastcacheManager(OffloadingManager):
 
     # -- stores ----------------------------------------------------------------------------------
     def prepare_store(self, keys, req_context) -> PrepareStoreOutput | None:
+        born = req_context.get_state(Born) if req_context is not None else None
+        if born is not None and born.generation != self.generation:
+            # vLLM offers a request running across a reset every chunk again, and that KV may be of the weights
+            # before it (a reset with running requests leaves them their blocks): it never enters the new cache
+            return PrepareStoreOutput(keys_to_store=[], evicted_keys=[], store_spec=FastcacheStoreSpec(
+                [], np.zeros(0, dtype=np.uint64), np.zeros(0, np.uint64), self.generation))
         keys = list(dict.fromkeys(keys))
         new = [k for k in keys if k not in self._entries]
         evicted = []
@@ -157,6 +172,8 @@ class FastcacheManager(OffloadingManager):
 
     # -- requests and resets ---------------------------------------------------------------------
     def on_new_request(self, req_context) -> RequestOffloadingContext:
+        if req_context is not None:
+            req_context.set_state(Born(self.generation))
         return RequestOffloadingContext()
 
     def reset_cache(self):
