@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fastcache.ipc import done_ring
+from fastcache.ipc.protocol import runs
 from fastcache.ipc.done_ring import HEAD_BYTES, RECORD_BYTES, RING_BYTES, SLOTS, RingReader, RingWriter, ring_name
 from fastcache.ipc.shm import SharedSegment
 
@@ -52,7 +53,7 @@ def test_records_arrive_in_order_once_and_only_under_the_token(ring):
     for token, rank, incarnation in ((bytes(16), 1, 3), (TOKEN, 0, 3), (TOKEN, 1, 2)):
         other = RingReader(SharedSegment.attach(reader.segment.name), token, rank, incarnation)
         other.next = 40
-        assert other.read() == ([], [40])
+        assert other.read() == ([], []) and other.next == 40      # nor the writer's count: it waits for record 40
         other.close()
 
 
@@ -141,3 +142,29 @@ def test_a_reader_that_keeps_up_never_leaves_the_writer_a_full_ring(ring, monkey
         wrote += 1
         assert reader.read() == ([r], [])
     assert wrote <= SLOTS
+
+
+def test_a_record_forged_ahead_of_the_writer_does_not_lose_the_real_one(ring):
+    """A forger commits a record in the slot the writer fills next, before the writer has: nothing says that
+    record was written, so the reader waits for it instead of skipping its index (the writer could not send a
+    record it has not written again, and the real one, written next, would never be read)."""
+    reader, writer, forger = ring
+    want = records(np.random.default_rng(7), 3)
+    writer.write(*want[0])
+    writer.publish()
+    assert reader.read() == ([want[0]], [])
+    forger[slot(1):slot(1) + 8].view(np.uint64)[0] = 2     # record 1's commit word, with no record behind it
+    forger[slot(1) + 8:slot(1) + 40] = 0xAB
+    got, bad = reader.read()
+    again = [r for first, last in runs(bad) for r in writer.again(first, last)]    # what the manager resends
+    writer.write(*want[1])
+    writer.write(*want[2])
+    writer.publish()
+    more, bad = reader.read()
+    again += [r for first, last in runs(bad) for r in writer.again(first, last)]
+    assert sorted(got + more + again) == sorted(want[1:])
+    # the control: a record the writer's signed count says was written, then forged over, is reported and
+    # comes again, as before
+    forger[slot(2) + 30] ^= 0xFF
+    reader.next = 2
+    assert reader.read() == ([], [2]) and writer.again(2, 2) == [want[2]]

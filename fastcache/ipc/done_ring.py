@@ -13,8 +13,9 @@ that it read it.
 
 Everything in the segment can be written by any process of the user (§12), so nothing in it is believed
 without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A
-record that fails its MAC, or is missing while the writer's signed count says it was written, is reported
-by the reader (bad); the engine then asks the transfer manager over its pipe to send those reports again
+record that fails its MAC or is missing, once the writer's signed count says it was written, is reported
+by the reader (bad; before that, one failing its MAC may be a forger's ahead of the writer's, and the reader
+looks at the slot again rather than skip the writer's record); the engine then asks the transfer manager over its pipe to send those reports again
 over the reply socket. A forged count only makes the ring look fuller: the writer then reports over the
 reply socket, as it does whenever the ring is full.
 """
@@ -119,24 +120,25 @@ class RingReader(_Ring):
         words, buf, done = self.words, self.buf, self.keyed[DONE]
         while True:
             at = HEAD_BYTES + (i % SLOTS) * RECORD_BYTES
-            if words[at >> 3] == i + 1:
+            committed = words[at >> 3] == i + 1
+            if committed:
                 raw = bytes(buf[at:at + SIGNED + MAC_BYTES])
                 digest = done.copy()
                 digest.update(raw[:SIGNED])
                 if WORD.unpack_from(raw)[0] == i + 1 and hmac.compare_digest(raw[SIGNED:], digest.digest()):
                     records.append(RECORD.unpack_from(raw, 8))
-                else:
-                    bad.append(i)
-                i += 1
-                continue
+                    i += 1
+                    continue
+            # missing or failing its MAC: bad only once the writer says, under the token, that it wrote record i
+            # (a record forged before the writer's is not skipped: the writer's, written next, is read then)
             if words[0] <= i:
                 break
             written = self._count(0, WRITTEN)
             if written is None or written <= i:
                 break
-            if words[at >> 3] == i + 1:
+            if not committed and words[at >> 3] == i + 1:
                 continue        # committed since its word was read (the count is published after the record)
-            bad.append(i)       # the writer says, under the token, that record i was written: it was destroyed
+            bad.append(i)       # written, and now missing or failing its MAC: destroyed or forged over
             i += 1
         if i != self.next:
             self.next = i
