@@ -67,6 +67,9 @@ def test_a_forged_completion_record_fails_authentication_says_so_and_its_report_
         for w in workers:
             randomize(w, rng)
         segment, raw, words = ring_view(backend, 0)
+        reader, held = backend._channel._rings[0], []
+        asked = reader.asked
+        reader.asked = lambda seq: (held.append((reader.hold, seq)), asked(seq))
         try:
             with backend._channel._rings_lock:
                 handles = [backend.swap_out([i], [i]) for i in range(4)]
@@ -80,6 +83,9 @@ def test_a_forged_completion_record_fails_authentication_says_so_and_its_report_
             assert any("failed authentication" in r.getMessage() and "rank 0" in r.getMessage()
                        for r in caplog.records)
             assert not any(h.error for h in handles)
+            # the engine's count stayed at record 2 until the process had read the request, then passes it
+            assert held and held[0][0] == 2
+            wait_for(lambda: reader.hold is None, 30, "the count to pass the bad records")
         finally:
             del raw, words
             segment.close()

@@ -168,3 +168,31 @@ def test_a_record_forged_ahead_of_the_writer_does_not_lose_the_real_one(ring):
     forger[slot(2) + 30] ^= 0xFF
     reader.next = 2
     assert reader.read() == ([], [2]) and writer.again(2, 2) == [want[2]]
+
+
+def test_a_bad_record_can_still_be_sent_again_after_the_writer_has_filled_the_ring_meanwhile(ring):
+    """The engine asks for a bad record over the task pipe, behind the tasks sent before; the manager may write
+    a ring's worth of records before it reads that request. The reader does not publish its count past the bad
+    record until the manager has read the request (its task_received reaches the request's number), so the
+    writer has not dropped the record from what it can send again."""
+    reader, writer, forger = ring
+    want = records(np.random.default_rng(8), 2 * SLOTS)
+    for r in want[:130]:
+        assert writer.write(*r)
+    writer.publish()
+    forger[slot(100) + 30] ^= 0xFF              # record 100 forged over, after it was written
+    got, bad = reader.read()
+    assert bad == [100] and got == want[:100] + want[101:130]
+    reader.asked(7)                             # the engine's request went as message 7 on the pipe
+    wrote = 130
+    while wrote < len(want) and writer.write(*want[wrote]):     # the tasks before the request, done meanwhile
+        wrote += 1
+        got, bad = reader.read()
+        assert got == [want[wrote - 1]] and bad == []
+    assert writer.again(100, 100) == [want[100]]            # the manager reads the request: its report again
+    # once the manager has read the request the count is published again, and the writer has room
+    reader.served(6)
+    assert not writer.write(*want[wrote])
+    reader.served(7)
+    assert writer.write(*want[wrote])
+    assert reader.read() == ([want[wrote]], [])

@@ -392,13 +392,17 @@ class TaskChannel:
         read = []
         with self._rings_lock:          # open_pipe and the retiring calls close rings
             for rank, ring in self._rings.items():
+                if ring.hold_seq is not None:   # bad records asked for again: has the process read the request?
+                    received = self._signals().task_received
+                    if rank < len(received):
+                        ring.served(int(received[rank]))
                 if not ring.unread():
                     continue
                 records, bad = ring.read()
                 if records or bad:
-                    read.append((rank, records, bad))
+                    read.append((rank, ring, records, bad))
         handles = self._handles
-        for rank, records, bad in read:
+        for rank, ring, records, bad in read:
             for task_id, nbytes, skipped, seconds in records:
                 # one dict read, atomic: a task's handle is added before it is sent
                 self._finish(handles.get(task_id), rank, nbytes=nbytes, skipped=skipped, seconds=seconds)
@@ -406,8 +410,12 @@ class TaskChannel:
                 self._warn_once(("ring", rank), f"rank {rank}: completion records {bad[0]}..{bad[-1]} of its ring "
                                                 f"failed authentication (another process wrote to it); asked for "
                                                 f"again over its task pipe")
+                asked = True
                 for first, last in protocol.runs(bad):
-                    self.send_to(rank, protocol.encode("resend", first=first, last=last))
+                    asked = self.send_to(rank, protocol.encode("resend", first=first, last=last)) and asked
+                if asked:       # the ring's count passes the bad records once the process has read the request
+                    with self._submit_lock:
+                        ring.asked(self._sent_seq.get(rank, 0))
 
     def send_all(self, message, handle=None):
         """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank

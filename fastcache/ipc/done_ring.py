@@ -15,8 +15,10 @@ Everything in the segment can be written by any process of the user (§12), so n
 without its MAC under the deployment's token, keyed with the direction, the rank and the writer's pid. A
 record that fails its MAC or is missing, once the writer's signed count says it was written, is reported
 by the reader (bad; before that, one failing its MAC may be a forger's ahead of the writer's, and the reader
-looks at the slot again rather than skip the writer's record); the engine then asks the transfer manager over its pipe to send those reports again
-over the reply socket. A forged count only makes the ring look fuller: the writer then reports over the
+looks at the slot again rather than skip the writer's record); the engine then asks the transfer manager over
+its pipe to send those reports again over the reply socket, and the reader's count stays at the first bad
+record until the transfer manager has read that request (asked, served: the writer forgets what the count
+says was read). A forged count only makes the ring look fuller: the writer then reports over the
 reply socket, as it does whenever the ring is full.
 """
 from __future__ import annotations
@@ -105,6 +107,10 @@ class RingReader(_Ring):
         super().__init__(segment, token, rank, pid)
         self.next = 0
         self.published = 0      # the read count last published to the writer
+        # the first bad record whose report the writer must still be able to send again, and the number of the
+        # engine's message that asked for it: the published count stays at that record until the writer has
+        # read the message (the writer forgets what the count says was read)
+        self.hold = self.hold_seq = None
 
     def unread(self) -> bool:
         """Is there anything for read() to look at: the next record's commit word, or a count of the writer's
@@ -140,9 +146,28 @@ class RingReader(_Ring):
                 continue        # committed since its word was read (the count is published after the record)
             bad.append(i)       # written, and now missing or failing its MAC: destroyed or forged over
             i += 1
+        if bad:
+            self.hold = bad[0] if self.hold is None else self.hold
+            self.hold_seq = None        # until asked() says which message asks for them
         if i != self.next:
             self.next = i
-            if i - self.published >= PUBLISH_EVERY:     # a MAC per record read would cost more than the rest
-                self.published = i
-                self.put_count(COUNT_BYTES, READ, WORD.pack(i))
+            self._publish()
         return records, bad
+
+    def _publish(self):
+        top = self.next if self.hold is None else self.hold
+        if top - self.published >= PUBLISH_EVERY:      # a MAC per record read would cost more than the rest
+            self.published = top
+            self.put_count(COUNT_BYTES, READ, WORD.pack(top))
+
+    def asked(self, seq: int):
+        """The bad records read so far were asked for again in the engine's message number seq."""
+        if self.hold is not None:
+            self.hold_seq = seq
+
+    def served(self, received: int):
+        """The writer's process has read the engine's messages up to number `received`: once that includes the
+        request for the bad records, their reports are on their way, and the count may pass them."""
+        if self.hold_seq is not None and received >= self.hold_seq:
+            self.hold = self.hold_seq = None
+            self._publish()
