@@ -125,6 +125,41 @@ def test_close_wakes_a_waiter_whose_transfer_manager_is_stopped(long_bell):
                 os.kill(pid, signal.SIGCONT)
 
 
+
+def test_a_task_submitted_as_close_runs_fails_at_once_and_close_does_not_wait_for_it(monkeypatch, long_bell):
+    """A submitter that passed the backend's checks before close began, and sends once close has failed the
+    tasks in flight (its transfer manager gone): nothing would ever answer that task. It fails at once."""
+    failed_all, sent = threading.Event(), threading.Event()
+    fail_pending, send_task = channel_module.TaskChannel.fail_pending, channel_module.TaskChannel.send_task
+
+    def failing(self, why):
+        fail_pending(self, why)
+        failed_all.set()
+        sent.wait(30)       # the late task goes out before close closes the sockets
+
+    def late(self, handle, message):
+        if threading.current_thread().name == "late-submitter":
+            in_send.set()
+            failed_all.wait(30)
+        try:
+            return send_task(self, handle, message)
+        finally:
+            sent.set()
+    in_send, outcome = threading.Event(), []
+    monkeypatch.setattr(channel_module.TaskChannel, "fail_pending", failing)
+    monkeypatch.setattr(channel_module.TaskChannel, "send_task", late)
+    with deployment(small_spec(), tp=1) as (backend, _):
+        backend.swap_out([1], [1]).result(timeout=10)
+        submitter = threading.Thread(target=lambda: outcome.append(_raised(backend.swap_out([2], [2]), 5)),
+                                     name="late-submitter")
+        submitter.start()
+        assert in_send.wait(10)
+        backend.close(timeout=3)
+        submitter.join(30)
+        assert not submitter.is_alive()
+        assert isinstance(outcome[0], TransferError) and "closed" in str(outcome[0]), outcome
+
+
 def _raised(handle, timeout):
     try:
         handle.result(timeout=timeout)

@@ -83,6 +83,7 @@ class TaskChannel:
         self._submit_lock = threading.Lock()        # the task sockets (zmq's are not thread-safe), numbers, order
         self._handles: dict = {}                    # task id -> TransferHandle of the tasks in flight
         self._handles_lock = threading.Lock()
+        self._failed_all: str | None = None         # why fail_pending failed every task (close): later ones fail too
         self._phase_cond = threading.Condition()    # the phase reports; woken by each and by a rank's failure
         self._phase_acks: dict[str, dict[int, str | None]] = {}
         self._copy_seconds: dict[int, tuple] = {}   # rank -> its last reshard move's (copy, weights) seconds
@@ -217,7 +218,13 @@ class TaskChannel:
         """Send a task to every rank its handle waits for, the handle in flight until every rank has answered."""
         handle.reader = self
         with self._handles_lock:
-            self._handles[handle.task_id] = handle
+            why = self._failed_all
+            if why is None:
+                self._handles[handle.task_id] = handle
+        if why is not None:     # submitted as close ran: nothing would answer it, nor wake its waiter
+            for rank in handle.pending_ranks():
+                handle.rank_finished(rank, why, lost=True)
+            return handle
         self.send_all(message, handle)
         return handle
 
@@ -233,8 +240,10 @@ class TaskChannel:
         self._forget_done(handles)
 
     def fail_pending(self, why):
+        """Fail every task in flight, and every task sent from now on, with why (close)."""
         with self._handles_lock:
             handles, self._handles = list(self._handles.values()), {}
+            self._failed_all = why
         for handle in handles:
             for rank in handle.pending_ranks():
                 handle.rank_finished(rank, why, lost=True)
