@@ -58,10 +58,10 @@ class Push:
         self.sent.append(message)
 
 
-def channel_of(pushes):
+def channel_of(pushes, barrier=None):
     ranks = Ranks()
     signals = SimpleNamespace(task_received=np.zeros(len(pushes)), transfer_heartbeat=np.zeros(len(pushes)))
-    channel = TaskChannel(TOKEN, SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: None, ranks,
+    channel = TaskChannel(TOKEN, SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: barrier, ranks,
                           lambda: False)
     channel._task_pushes = list(pushes)     # as open_pipe binds them
     return channel, ranks
@@ -128,3 +128,24 @@ def test_fail_rank_tasks_fails_each_task_on_that_rank_only():
     assert not one.done() and list(one.pending_ranks()) == [0] and channel.pending_handles() == [one]
     channel.fail_pending("closed")
     assert one.done() and "closed" in one.error and channel.pending_handles() == []
+
+
+def test_a_phase_command_is_watched_under_its_own_number_when_a_ping_goes_just_before_it():
+    """The I/O thread pings ranks that have not read the last phase command; one that goes between a new
+    command's numbering and its send must not make the channel watch the ping's number instead: a report that
+    the command's message was lost then breaks the phase at once."""
+    pushes, aborted = [Push(), Push()], []
+    channel, _ = channel_of(pushes, barrier=SimpleNamespace(abort=aborted.append))
+    send_all = channel.send_all
+
+    def pinged_first(message, handle=None, **kwargs):
+        for rank in range(2):
+            channel.ping(rank)
+        return send_all(message, handle, **kwargs)
+    channel.send_all = pinged_first
+    channel.send_phase_command("clear", protocol.encode("clear"))
+    for push in pushes:
+        assert [SEQ.unpack(verified(TOKEN, TO_RANK, m)[0]) for m in push.sent] == [(1,), (2,)]
+    channel.on_reply(reply(1, "lost", first=2, last=2))
+    why = channel.end_phase_command()
+    assert len(aborted) == 1 and why is not None and "1" in why

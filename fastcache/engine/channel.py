@@ -426,7 +426,7 @@ class TaskChannel:
                     with self._submit_lock:
                         ring.asked(self._sent_seq.get(rank, 0))
 
-    def send_all(self, message, handle=None):
+    def send_all(self, message, handle=None, sent: dict | None = None):
         """Deliver a task (with its handle) or a command (without) to every rank, in submission order. A rank
         the handle no longer waits for is skipped: a restart failed the task there before it was sent, the
         handle may be done and its blocks reused, and a new process must not copy them late. (The check is
@@ -461,6 +461,8 @@ class TaskChannel:
                     self._ranks.check_exit(rank)
                     self._finish(handle, rank, self._ranks.why_failed(rank) or "transfer manager not connected",
                                  lost=True)
+                elif sent is not None:      # the number the message went with on this rank's pipe
+                    sent[rank] = self._sent_seq[rank]
 
     def _exit_due(self, rank) -> bool:
         """Whether send_all should look at rank's process now (under _submit_lock): not within EXIT_LOOK of the
@@ -488,11 +490,8 @@ class TaskChannel:
 
     def send_phase_command(self, phase: str, message):
         """Send a phase command to every rank (as send_all) and watch that each reads it."""
-        with self._submit_lock:
-            before = dict(self._sent_seq)
-        self.send_all(message)
-        with self._submit_lock:         # no task is sent during a phase: the next number is the command's
-            seqs = {r: before.get(r, 0) + 1 for r, seq in self._sent_seq.items() if seq > before.get(r, 0)}
+        seqs = {}       # taken as each rank's message goes: a ping of the I/O thread's may go just before it
+        self.send_all(message, sent=seqs)
         self._phase_command = PhaseCommand(phase, seqs, time.monotonic())
 
     def end_phase_command(self) -> str | None:
