@@ -16,6 +16,7 @@ read every message numbered below it, and a message is sent only after every rec
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -88,6 +89,7 @@ class TransferManager:
         self.reshard = ReshardRunner(self)
         self.release_swap = False
         self.scheduler = Scheduler()
+        self.ready, self.dispatching = collections.deque(), False      # cleared, not yet handed over (_dispatch)
         self.weights = WeightGroup(weights, self) if weights is not None else None     # docs/design.md §11
         self.queues = {lane: queue.Queue() for lane in LANES}
         self.queued = {lane: 0 for lane in LANES}      # handed to the executor, not reported
@@ -404,15 +406,27 @@ class TransferManager:
         self._dispatch(self.scheduler.add(store_task(header, *ids)))
 
     def _dispatch(self, tasks):
-        """Small tasks on an idle direction run right here: a thread hand-off costs more than their copy."""
-        for task in tasks:
-            lane = lane_of(task)
-            if self.queued[lane] == 0 and lane in protocol.TASK_KINDS and \
-                    self.spec.task_bytes(task.gpu_ids) <= self.settings.inline_bytes:
-                self._finished(task, self._run(task))
-            else:
-                self.queued[lane] += 1
-                self.queues[lane].put(task)
+        """Hand tasks the scheduler cleared to their lanes, in the order it cleared them: it lets a task follow a
+        conflicting one of its direction once that one is cleared, so a task cleared while an earlier one is
+        handed over (by a small task's completion, below) waits for it. Small tasks on an idle direction run
+        right here: a thread hand-off costs more than their copy."""
+        ready = self.ready
+        ready.extend(tasks)
+        if self.dispatching:
+            return
+        self.dispatching = True
+        try:
+            while ready:
+                task = ready.popleft()
+                lane = lane_of(task)
+                if self.queued[lane] == 0 and lane in protocol.TASK_KINDS and \
+                        self.spec.task_bytes(task.gpu_ids) <= self.settings.inline_bytes:
+                    self._finished(task, self._run(task))
+                else:
+                    self.queued[lane] += 1
+                    self.queues[lane].put(task)
+        finally:
+            self.dispatching = False
 
     def _finished(self, task, outcome):
         """Report a task's outcome ((error or None, bytes, puts skipped, seconds)) and start what waited for it."""
