@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -519,3 +520,53 @@ def test_an_l3_load_refreshes_the_held_hashes_it_loads_not_only_the_fetched_ones
             assert cache.lookup_tiers([1, 9, 4, 5]) == (4, 0)
         finally:
             cache.close(timeout=10)
+
+
+def test_a_write_through_held_up_across_a_clear_never_puts_the_reused_block_under_the_old_namespace(tmp_path):
+    """The write-through thread may be held up between queuing a put and submitting it for as long as a clear,
+    a restore and a store under the new namespace take: the put must then be refused, never read the block
+    the allocator's reset gave to a new entry and publish its bytes (new weights' KV) under the old namespace."""
+    rng = np.random.default_rng(21)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m/0", capacity=4, write="through")
+        old = fill(workers, [0], rng)
+        reached, go, quiet = threading.Event(), threading.Event(), threading.Event()
+        put = backend.cpu_to_store
+
+        def held_up(*args):         # the writer thread stops right before it submits its put
+            if threading.current_thread().name == "fastcache-l3-writer" and not reached.is_set():
+                reached.set()
+                assert go.wait(60)
+            return put(*args)
+        backend.cpu_to_store = held_up
+        wait_quiet = cache.wait_quiet
+
+        def watched(timeout):
+            quiet.set()
+            return wait_quiet(timeout)
+        cache.wait_quiet = watched
+        cache.store([7], [0]).result(30)
+        assert reached.wait(30)
+        clearing = threading.Thread(target=lambda: (backend.clear_caches(60), backend.restore_caches(60)))
+        clearing.start()
+        wait_for(lambda: quiet.is_set() or not clearing.is_alive(), 60, "the clear")
+        if quiet.is_set():          # the clear waits for the cache's put: it is refused, the clear goes on
+            go.set()
+        clearing.join(60)
+        assert not clearing.is_alive()
+        cache.namespace = "m/1"
+        new = fill(workers, [1], rng)
+        assert not np.array_equal(new[0], old[0])
+        cache.store([8], [1]).result(30)            # the reset allocator gave block 0 to it
+        go.set()
+        cache.flush(30)
+        if backend.store_contains("m/0", [7]).any():    # a put that landed holds the old bytes, on every rank
+            reader = TieredCache(backend, "m/0", capacity=2)
+            dst = [20]
+            poison(workers, dst, rng)
+            reader.load([7], dst).result(30)
+            loaded = [cpu_image(w, dst) for w in workers]
+            assert not all(np.array_equal(a, b) for a, b in zip(loaded, new)), "the new weights' KV under m/0"
+            check(workers, dst, old)
+            reader.close()
+        cache.close()

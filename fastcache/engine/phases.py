@@ -28,14 +28,15 @@ class Phases:
     exist once it has started; a reshard changes the tp); ranks is its RankSupervisor, channel its TaskChannel,
     weights its WeightGroup, tiers its CpuTiers, allocator its CpuBlockAllocator; spec() gives the spec now (the
     CPU tiers a restore re-creates), reshard_pending() the reshard step left pending, if any (no clear or
-    sleep then)."""
+    sleep then), caches_quiet(deadline) waits until no TieredCache call holds CPU blocks it has yet to submit."""
 
     def __init__(self, settings, signals: Callable, barrier: Callable, tp_size: Callable[[], int],
-                 spec: Callable, ranks, channel, weights, tiers, allocator, reshard_pending: Callable):
+                 spec: Callable, ranks, channel, weights, tiers, allocator, reshard_pending: Callable,
+                 caches_quiet: Callable[[float], None]):
         self._settings = settings
         self._signals, self._barrier, self._tp_size, self._spec = signals, barrier, tp_size, spec
         self._ranks, self._channel, self._weights, self._tiers = ranks, channel, weights, tiers
-        self._allocator, self._reshard_pending = allocator, reshard_pending
+        self._allocator, self._reshard_pending, self._caches_quiet = allocator, reshard_pending, caches_quiet
         self.lock = threading.Lock()            # one phase (or reshard) at a time
 
     # -- readiness -------------------------------------------------------------------------------
@@ -144,6 +145,11 @@ class Phases:
     def _clear_phase(self, deadline):
         """The clear itself, once nothing is in flight (a sleep frees the weights too: sleep_level is set)."""
         signals = self._signals()
+        # a cache call past its checks (or a write-through put queued) may hold CPU blocks it has yet to submit
+        # a put of: it is refused now, but one held up past the allocator's reset and a restore would read a
+        # block the reset gave to someone else; so wait for none to be left, then for what they sent
+        self._caches_quiet(deadline)
+        self.drain(deadline)
         release = self._settings.clear_swap_space
         self.run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
         weights = bool(signals.sleep_level[0]) and self._weights.layout is not None
