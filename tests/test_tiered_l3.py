@@ -570,3 +570,33 @@ def test_a_write_through_held_up_across_a_clear_never_puts_the_reused_block_unde
             check(workers, dst, old)
             reader.close()
         cache.close()
+
+
+def test_a_write_through_queued_as_the_cache_closes_lets_go_of_its_pins_and_blocks(tmp_path):
+    """close() may run the moment a swap-out's callback has pinned its entries for a put and let go of the
+    lock, before the write-through thread exists: the put must still be made (or given up), and its entries'
+    pins, the call count a clear waits on and the quota's blocks must not stay taken for ever."""
+    rng = np.random.default_rng(22)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        total = backend.allocator.num_free
+        cache = TieredCache(backend, "m/0", capacity=4, write="through")
+        fill(workers, [0], rng)
+        lock = cache._lock
+
+        class CloseRightAfter:              # close(timeout=0) as _write_through's lock is let go
+            armed = True
+
+            def __enter__(self):
+                lock.acquire()
+
+            def __exit__(self, *exc):
+                lock.release()
+                if self.armed and sys._getframe(1).f_code.co_name == "_write_through":
+                    self.armed = False
+                    cache.close(timeout=0)
+        cache._lock = hook = CloseRightAfter()
+        cache.store([7], [0]).result(30)
+        assert not hook.armed
+        wait_for(lambda: backend.allocator.num_free == total, 30, "the quota's blocks back in the allocator")
+        assert cache.wait_quiet(0)
+        cache._lock = lock

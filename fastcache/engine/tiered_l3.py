@@ -131,15 +131,15 @@ class L3Tier:
             self._pinned += len(pinned)
             self._busy += bool(pinned)      # until the writer has submitted the put
             self._l3_outstanding += len(pinned)
-        if pinned:
-            self._l3_jobs.put((namespace, pinned))
-            self._start_writer()
+            if pinned:      # queued and its writer started before a close can look: it stops the writer after
+                self._l3_jobs.put((namespace, pinned))
+                self._start_writer()
 
     def _start_writer(self):
-        with self._lock:
-            if self._l3_writer is None and not self._closed:
-                self._l3_writer = threading.Thread(target=self._writer, name="fastcache-l3-writer", daemon=True)
-                self._l3_writer.start()
+        """Under the lock (the cache is not closed: it pinned indexed entries)."""
+        if self._l3_writer is None:
+            self._l3_writer = threading.Thread(target=self._writer, name="fastcache-l3-writer", daemon=True)
+            self._l3_writer.start()
 
     def _writer(self):
         while True:
