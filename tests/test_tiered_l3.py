@@ -4,6 +4,7 @@ test_store_mooncake.py runs the main path against Mooncake."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -600,3 +601,60 @@ def test_a_write_through_queued_as_the_cache_closes_lets_go_of_its_pins_and_bloc
         wait_for(lambda: backend.allocator.num_free == total, 30, "the quota's blocks back in the allocator")
         assert cache.wait_quiet(0)
         cache._lock = lock
+
+
+def test_a_write_back_the_deployment_cannot_submit_for_a_lost_rank_does_not_set_the_store_aside(tmp_path):
+    """With a transfer manager dead, the backend refuses to submit a put (TransferError naming the rank): the
+    store was never asked, so it stays in use once the rank is restarted."""
+    rng = np.random.default_rng(23)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=2)
+        want = fill(workers, [0, 1, 2, 3, 4], rng)
+        cache.store([1, 2], [0, 1]).result(timeout=30)
+        cache.flush(30)
+        os.kill(backend.transfer_pids[1], signal.SIGKILL)
+        wait_for(lambda: 1 in backend.failed_ranks, 30, "the lost rank")
+        with pytest.raises(TransferError, match="rank 1"):
+            cache.store([3], [2]).result(timeout=30)        # evicts 2: its write-back cannot be submitted
+        backend.restart_rank(1, timeout=30)
+        assert cache.flush(30) == 1                         # 2 did not land
+        assert cache.stats()["l3_errors"] == 0
+        cache.store([4, 5], [3, 4]).result(timeout=30)      # the store still in use: 1 goes down to it
+        assert cache.flush(30) == 0
+        assert cache.lookup_tiers([1, 4, 5]) == (3, 1)
+        poison(workers, [6], rng)
+        cache.load([1], [6]).result(timeout=30)
+        check(workers, [6], [w[:1] for w in want])
+        cache.close()
+
+
+def test_a_write_through_the_deployment_cannot_submit_for_a_lost_rank_does_not_set_the_store_aside(tmp_path):
+    rng = np.random.default_rng(24)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4, write="through")
+        fill(workers, [0, 1], rng)
+        reached, go, failed = threading.Event(), threading.Event(), []
+        put = backend.cpu_to_store
+
+        def held_up(*args):         # the rank dies while the writer thread is about to submit its put
+            if not reached.is_set():
+                reached.set()
+                assert go.wait(60)
+            try:
+                return put(*args)
+            except TransferError as exc:
+                failed.append(exc)
+                raise
+        backend.cpu_to_store = held_up
+        cache.store([1], [0]).result(timeout=30)
+        assert reached.wait(30)
+        os.kill(backend.transfer_pids[1], signal.SIGKILL)
+        wait_for(lambda: 1 in backend.failed_ranks, 30, "the lost rank")
+        go.set()
+        assert cache.flush(30) == 1 and "rank 1" in str(failed[0])
+        backend.restart_rank(1, timeout=30)
+        assert cache.stats()["l3_errors"] == 0
+        cache.store([2], [1]).result(timeout=30)        # the store still in use: written through
+        assert cache.flush(30) == 0
+        assert backend.store_contains("m", [1, 2]).tolist() == [False, True]
+        cache.close()

@@ -13,8 +13,9 @@
 - **The store failing never stops the CPU tier**: an error (other than a miss) counts in `l3_errors`
   and sets the store aside for L3_BACKOFF seconds, during which lookups, write-back and write-through
   skip it; then a thread of the cache probes it every L3_PROBE_INTERVAL seconds and puts it back in use
-  as soon as it answers. A task failed because the engine lost a rank (dead or restarted) is not the
-  store's error. Everything submitted to the store is best effort; only a load depends on it.
+  as soon as it answers. A put the deployment does not submit (a clear, a reshard, a lost rank) and a task
+  failed because the engine lost a rank (dead or restarted) are not the store's errors. Everything
+  submitted to the store is best effort; only a load depends on it.
 
 The cache's lock is never held while calling the backend, and completion callbacks never call it: the
 write-through puts are submitted by a thread of this cache, fed by the swap-outs' callbacks.
@@ -27,7 +28,7 @@ import threading
 
 import numpy as np
 
-from ..errors import RefusedError, TransferError
+from ..errors import TransferError
 from ..ipc import protocol
 from ..store import fingerprint
 from ..store.base import MISS
@@ -106,12 +107,8 @@ class L3Tier:
         self._puts_begin(len(keys))
         try:
             handle = self.backend.cpu_to_store(namespace, keys, [block for _, block in victims])
-        except RefusedError:        # the deployment is being cleared or resharded, not the store failing:
-            self._puts_end(len(keys), len(keys))    # these victims go unwritten, and the store stays in use
-            return
-        except (TransferError, ValueError) as exc:
-            self._puts_end(len(keys), len(keys))
-            self._l3_failed(f"write-back: {exc}")
+        except (TransferError, ValueError):     # not submitted (a clear, a reshard, a lost rank): the store was
+            self._puts_end(len(keys), len(keys))    # not asked, so it stays in use; these victims go unwritten
             return
         handle.add_done_callback(lambda h: self._l3_written(h, len(keys)))
 
@@ -150,9 +147,7 @@ class L3Tier:
             keys = [k for k, _ in pinned]
             try:
                 handle = self.backend.cpu_to_store(namespace, keys, [e[BLOCK] for _, e in pinned])
-            except (TransferError, ValueError) as exc:
-                if not isinstance(exc, RefusedError):       # a refusal says nothing about the store
-                    self._l3_failed(f"write-through: {exc}")
+            except (TransferError, ValueError):     # not submitted: says nothing about the store (see _write_back)
                 self._puts_end(len(pinned), len(pinned))
                 self._unpin_all(pinned)
                 continue
