@@ -658,3 +658,58 @@ def test_a_write_through_the_deployment_cannot_submit_for_a_lost_rank_does_not_s
         assert cache.flush(30) == 0
         assert backend.store_contains("m", [1, 2]).tolist() == [False, True]
         cache.close()
+
+
+def test_a_load_whose_hashes_finish_storing_as_it_starts_loads_them_while_the_store_is_set_aside(tmp_path):
+    """load() asks the CPU tier whether it holds every hash, then (when not) looks again under the lock before
+    going to the store: a store that completes in between leaves nothing to fetch, and the load must serve
+    the CPU tier's blocks even while the store is set aside (it raised IndexError)."""
+    from fastcache.engine.handle import TransferHandle
+    from fastcache.ipc import protocol
+    rng = np.random.default_rng(25)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4)
+        want = fill(workers, [0], rng)
+        asked = backend.store_contains
+
+        def down(*args):
+            raise TransferError("store down")
+        backend.store_contains = down
+        assert cache.lookup([9]) == 0               # the store is set aside
+        backend.store_contains = asked
+        assert cache.stats()["l3_errors"] == 1
+        swap, held = backend.submit_checked_swap, []
+
+        def held_out(kind, gpu, cpu):               # the swap-out runs; its handle completes when the test says
+            real = swap(kind, gpu, cpu)
+            if kind != protocol.SWAP_TO_CPU:
+                return real
+            held.append((real, TransferHandle(real.task_id, kind, range(2), real.nbytes)))
+            return held[-1][1]
+        backend.submit_checked_swap = held_out
+        cache.store([7], [0])
+        backend.submit_checked_swap = swap
+        lock = cache._lock
+
+        class StoredRightAfter:         # the store completes as load()'s first look lets go of the lock
+            armed = True
+
+            def __enter__(self):
+                lock.acquire()
+
+            def __exit__(self, *exc):
+                lock.release()
+                if self.armed and sys._getframe(1).f_code.co_name == "_l2_holds":
+                    self.armed = False
+                    real, fake = held[0]
+                    real.result(30)
+                    for r in range(2):
+                        fake.rank_finished(r, nbytes=real.nbytes // 2)
+        cache._lock = hook = StoredRightAfter()
+        dst = [10]
+        poison(workers, dst, rng)
+        cache.load([7], dst).result(30)
+        assert not hook.armed
+        cache._lock = lock
+        check(workers, dst, want)
+        cache.close()

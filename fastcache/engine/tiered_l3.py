@@ -260,6 +260,8 @@ class L3Tier:
             namespace = self._namespace
             wanted = list(dict.fromkeys(k for k in keys if k not in self._visible))
             usable = self._l3_usable()
+        if not wanted:                      # stored meanwhile: the CPU tier has them all (the caller loads them)
+            return None
         if not usable:
             raise ValueError(f"hash {wanted[0]:#x} is not held by the CPU tier, and the store is "
                              f"{'set aside after an error' if self._l3 else 'not configured'}")
