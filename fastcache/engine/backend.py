@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import weakref
 
 import numpy as np
 
@@ -104,8 +103,7 @@ class SwapBackend:
         self._phases = Phases(                      # docs/design.md §6, §11 (engine/phases.py)
             self.settings, lambda: self.signals, lambda: self.barrier, lambda: self.tp_size, lambda: self.spec,
             self._ranks, self._channel, self._weights, self._tiers, self.allocator, lambda: self._resharder.pending,
-            self._wait_caches_quiet)
-        self._caches = weakref.WeakSet()            # TieredCaches over the deployment: a clear waits for them
+            lambda deadline: self._resharder.wait_caches_quiet(deadline, "clear"))
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
         self._ready_view: ReadyView | None = None      # the signals _new_task reads, made on the first task
@@ -395,14 +393,7 @@ class SwapBackend:
     def register_cache(self, cache):
         """A TieredCache over this backend: a reshard renames its entries' CPU blocks (remap_blocks), a clear
         waits for its calls in flight (wait_quiet)."""
-        self._caches.add(cache)
         self._resharder.register_cache(cache)
-
-    def _wait_caches_quiet(self, deadline: float):
-        """A clear, once it refuses new tasks: until no TieredCache call holds CPU blocks it has yet to submit."""
-        for cache in list(self._caches):
-            if not cache.wait_quiet(max(0.0, deadline - time.monotonic())):
-                raise TransferError("clear timed out: a TieredCache call did not finish submitting its tasks")
 
     def _take_geometry(self, spec: CacheSpec, tp: int, device_ids: list):
         """A reshard's commit: the deployment's new spec, tp and devices (engine/reshard_host.py)."""

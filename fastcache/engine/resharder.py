@@ -134,7 +134,7 @@ class Resharder:
         self._weight_capacities = [slice_bytes(layout)] * tp if layout is not None else None
         self._seq = self._attempts = 0
         self.pending: ReshardStep | None = None     # a step a failure left unfinished: the same reshard resumes it
-        self._caches = weakref.WeakSet()            # TieredCaches over the deployment: remapped by a reshard
+        self._caches = weakref.WeakSet()            # TieredCaches over the deployment: a reshard remaps them
         self.last_reshard = None                    # the report of the last completed reshard
         self.resharding = None                      # the step in progress (start_workers may read it)
 
@@ -248,7 +248,7 @@ class Resharder:
             self._host.signals.status = RESHARDING     # refuses new swaps from here on
             self._host.allocator.freeze("a reshard is in progress")
             try:
-                self._wait_caches_quiet(deadline)
+                self.wait_caches_quiet(deadline)
                 self._host.drain(deadline)
                 if step is not self.pending:
                     self._replan(step)                 # what the CPU tier holds may have changed meanwhile
@@ -324,12 +324,13 @@ class Resharder:
         if self.pending is not None:
             self._drop_step_memory(self.pending)
 
-    def _wait_caches_quiet(self, deadline):
+    def wait_caches_quiet(self, deadline, what: str = "reshard"):
         """A TieredCache call past its checks may hold CPU block ids it has yet to submit (its submission is
-        refused now): the blocks are counted and renamed only once no such call is left."""
+        refused now): a reshard counts and renames the blocks, and a clear resets them, only once no such call
+        is left."""
         for cache in list(self._caches):
             if not cache.wait_quiet(max(0.0, deadline - time.monotonic())):
-                raise TransferError("reshard refused: a TieredCache call did not finish in time")
+                raise TransferError(f"{what} refused: a TieredCache call did not finish in time")
 
     def _quota_snapshot(self):
         quota_free = {}
