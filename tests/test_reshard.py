@@ -722,3 +722,46 @@ def test_the_timeout_holds_while_a_callback_blocks_and_names_the_ranks_still_mis
         assert model.check() == []
         assert model.swap_round(4) == 4 and model.check() == []
         model.detach()
+
+
+def test_a_resumed_scale_out_refills_new_ranks_that_a_rollback_replaced():
+    """1 -> 4: ranks 1 and 2 fill their new memory, rank 3's program fails and rank 0's transfer manager dies, so
+    the rollback retires the new ranks and leaves the step pending. restart_rank(0) and the same reshard start new
+    ranks 1-3 with empty memory: their programs must run again, or ranks 1 and 2 serve blocks they never got."""
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(41)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 4)
+        model.detach()
+        host = backend._resharder._host
+        real_collect = host.collect_reports
+        struck = []
+
+        def collect(phase, ranks, deadline):
+            got, copies = real_collect(phase, ranks, deadline)
+            if not struck and phase == "reshard_move" and list(ranks) == [1, 2, 3]:
+                struck.append(True)
+                assert got == {1: None, 2: None, 3: None}      # every new rank filled its memory
+                proc = backend._ranks.process(0)
+                proc.kill()
+                proc.wait()
+                end = time.monotonic() + 30
+                while 0 not in backend.failed_ranks and time.monotonic() < end:
+                    threading.Event().wait(0.01)
+                assert 0 in backend.failed_ranks
+                got = {**got, 3: "injected: rank 3's program failed"}
+            return got, copies
+        host.collect_reports = collect
+        try:
+            with pytest.raises(TransferError, match="rank 3"):
+                backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop, timeout=30)
+        finally:
+            host.collect_reports = real_collect
+        assert struck and backend._resharder.pending is not None and sorted(pool.workers) == [0]
+        backend.restart_rank(0)
+        new, block_map = backend.reshard(4, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+        assert backend.status == NORMAL and backend.tp_size == 4 and new.num_kv_heads == 1
+        model.remap(block_map, backend.last_reshard["cpu_block_map"])
+        model.attach()
+        assert model.check() == []
+        model.detach()

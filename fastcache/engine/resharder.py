@@ -491,6 +491,9 @@ class Resharder:
                 except TransferError as exc:        # its cleanup is done: go on with the rollback
                     problems.append(str(exc))
                 step.fresh_started = False
+            # the waves done so far filled only new ranks' memory (a kept rank's wave is past the point of no
+            # return), which went with them: a resumed step starts new ones, whose programs must run again
+            step.waves_done, step.wave_ranks_done = 0, set()
             m = plan.old_tp
             if plan.new_weights is not None:
                 self._host.weights.resize_regions(m, self._host.weights.layout, [])
