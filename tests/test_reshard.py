@@ -765,3 +765,55 @@ def test_a_resumed_scale_out_refills_new_ranks_that_a_rollback_replaced():
         model.attach()
         assert model.check() == []
         model.detach()
+
+
+def test_a_swap_that_read_normal_before_a_reshard_is_sent_in_the_old_geometry_before_it():
+    """A swap past its status check (its ids checked against tp 1) is held before it is sent while a reshard to
+    tp 2 begins: the reshard waits for it and drains it, so it copies every head of the block. Sent after the
+    step, it went to rank 0 alone and left rank 1's half of its CPU block stale, while its handle succeeded."""
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(51)
+    with in_process_deployment(spec, tp=1) as (backend, pool):
+        model = filled_model(backend, rng, 0)
+        model.detach()
+        cpu = backend.allocate_cpu_blocks(1)
+        host = backend._resharder._host
+        real_send, real_wait = backend._send_task, host.wait_submissions
+        held, at_gate, out = threading.Event(), threading.Event(), []
+
+        def held_send(handle, message):
+            held.set()
+            at_gate.wait(60)        # until the reshard waits for this swap (or, not waiting, has finished)
+            return real_send(handle, message)
+
+        def wait_submissions(deadline):
+            at_gate.set()
+            return real_wait(deadline)
+        backend._send_task, host.wait_submissions = held_send, wait_submissions
+
+        def swap():
+            try:
+                out.append(backend.swap_out([3], cpu).result(30))
+            except Exception as exc:        # noqa: BLE001 -- asserted below
+                out.append(exc)
+        thread = threading.Thread(target=swap)
+        thread.start()
+        try:
+            assert held.wait(30)
+            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+        finally:
+            at_gate.set()
+            thread.join(60)
+            backend._send_task, host.wait_submissions = real_send, real_wait
+        assert len(out) == 1 and not isinstance(out[0], Exception), out
+        model.swapped_out([3], cpu)
+        model.remap(block_map, backend.last_reshard["cpu_block_map"])
+        model.attach()
+        assert model.check() == []
+        with pytest.raises(RefusedError, match="RESHARDING"):    # a swap that reads the new status is refused
+            backend.signals.status = RESHARDING
+            try:
+                backend.swap_out([0], [0])
+            finally:
+                backend.signals.status = NORMAL
+        model.detach()

@@ -45,6 +45,7 @@ from .ranks import RankSupervisor
 from .reshard_host import BackendReshardHost
 from .resharder import Resharder
 from .store_tasks import StoreTasks
+from .submit_gate import SubmitGate
 from .weights import WeightGroup, place_weights
 
 log = logging.getLogger("fastcache.engine")
@@ -84,6 +85,8 @@ class SwapBackend:
                           self.device_ids),
             self.suffix, lambda: self.tp_size, lambda: self.signals, self._new_task, self._new_phase_task,
             self._send_task)
+        # held by a swap from its status check until it is sent: a reshard waits for it
+        self._submissions = SubmitGate(self._refuse_unless_normal)
         # L3 (docs/design.md §8); made here so that a bad store URL is refused before anything starts
         self._store_tasks = StoreTasks(store, lambda: (self.spec, self.tp_size), self._new_task, self._send_task,
                                        lambda: self._closed)
@@ -108,7 +111,8 @@ class SwapBackend:
         self.signals = self.barrier = self._reaper = None
         self._ready_view: ReadyView | None = None      # the signals _new_task reads, made on the first task
         self._resharder = Resharder(BackendReshardHost(      # docs/design.md §9 (engine/resharder.py)
-            self, self._weights, self._phases, self._ranks, self._channel, self._tiers, self._take_geometry))
+            self, self._weights, self._phases, self._ranks, self._channel, self._tiers, self._take_geometry,
+            self._submissions))
 
     # -- start-up --------------------------------------------------------------------------------
     def __enter__(self):
@@ -210,13 +214,23 @@ class SwapBackend:
 
     def _submit(self, kind, gpu_block_ids, cpu_block_ids, fence=None, layerwise: bool = False) -> TransferHandle:
         fences = self._fences(fence) if fence is not None else ()
-        spec = self.spec
-        # a small request of valid ids is checked in plain Python (ids.py); anything else, valid or not, by _validate
-        ids = small_swap_ids(gpu_block_ids, cpu_block_ids, kind == protocol.SWAP_TO_CPU, spec.num_gpu_blocks,
-                             spec.num_cpu_blocks)
-        if ids is None:
-            ids = self._validate(kind, gpu_block_ids, cpu_block_ids)
-        return self._submit_ids(kind, *ids, layerwise=layerwise, fence=fences)
+        self._submissions.enter("swap")         # the status before the geometry the ids are checked against
+        try:
+            spec = self.spec
+            # a small request of valid ids is checked in plain Python (ids.py); anything else, valid or not, by
+            # _validate
+            ids = small_swap_ids(gpu_block_ids, cpu_block_ids, kind == protocol.SWAP_TO_CPU, spec.num_gpu_blocks,
+                                 spec.num_cpu_blocks)
+            if ids is None:
+                ids = self._validate(kind, gpu_block_ids, cpu_block_ids)
+            return self._submit_ids(kind, *ids, layerwise=layerwise, fence=fences)
+        finally:
+            self._submissions.leave()
+
+    def _refuse_unless_normal(self, what: str):
+        signals = self.signals
+        if signals is None or signals.status != NORMAL:
+            self._check_can_submit(what)
 
     def _fences(self, fence) -> list:
         """fence as a list of Fences, distinct ranks of this deployment; ValueError otherwise."""

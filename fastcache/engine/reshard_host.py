@@ -13,16 +13,18 @@ class BackendReshardHost:
 
     backend: the SwapBackend, read through its public attributes only (a step changes its geometry);
     weights, phases, ranks, channel and tiers: its WeightGroup, Phases, RankSupervisor, TaskChannel and
-    CpuTiers; take_geometry(spec, tp, device_ids) gives the backend the new geometry at a step's commit.
+    CpuTiers; take_geometry(spec, tp, device_ids) gives the backend the new geometry at a step's commit;
+    submissions: its SubmitGate, which a step waits on once the status refuses new swaps.
     A list the I/O thread reads is replaced by its owner, never changed in length in place (the thread may be
     iterating it)."""
 
     def __init__(self, backend, weights, phases, ranks, channel, tiers,
-                 take_geometry: Callable[[object, int, list], None]):
+                 take_geometry: Callable[[object, int, list], None], submissions=None):
         self._b = backend
         self.weights = weights
         self._phases, self._ranks, self._channel, self._tiers = phases, ranks, channel, tiers
         self._take_geometry = take_geometry
+        self._submissions = submissions     # the backend's SubmitGate (engine/submit_gate.py)
 
     # what the backend has now (a step changes the geometry)
     spec = property(lambda self: self._b.spec)
@@ -39,6 +41,10 @@ class BackendReshardHost:
     # -- phases ----------------------------------------------------------------------------------
     def drain(self, deadline):
         self._phases.drain(deadline)
+
+    def wait_submissions(self, deadline) -> bool:
+        """Until every swap that read the status before it changed is sent; False on timeout."""
+        return self._submissions is None or self._submissions.wait_idle(deadline - time.monotonic())
 
     def run_phase(self, phase, message, deadline):
         self._phases.run_phase(phase, message, deadline)

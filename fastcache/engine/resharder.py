@@ -102,6 +102,7 @@ class ReshardHost(Protocol):
     failed_ranks: dict      # rank -> why it is out of service
 
     def drain(self, deadline: float): ...
+    def wait_submissions(self, deadline: float) -> bool: ...
     def run_phase(self, phase: str, message, deadline: float): ...
     def wait_signals(self, condition: Callable[[], bool], deadline: float, what: str, detail=None): ...
     def all_ready(self) -> bool: ...
@@ -248,6 +249,10 @@ class Resharder:
             self._host.signals.status = RESHARDING     # refuses new swaps from here on
             self._host.allocator.freeze("a reshard is in progress")
             try:
+                # a swap that read NORMAL checked its ids against the old geometry: it is sent
+                # (and drained below) before anything changes; later ones read RESHARDING and are refused
+                if not self._host.wait_submissions(deadline):
+                    raise TransferError("reshard refused: a swap being submitted was not sent in time")
                 self.wait_caches_quiet(deadline)
                 self._host.drain(deadline)
                 if step is not self.pending:
