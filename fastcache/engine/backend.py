@@ -228,8 +228,7 @@ class SwapBackend:
             self._submissions.leave()
 
     def _refuse_unless_normal(self, what: str):
-        signals = self.signals
-        if signals is None or signals.status != NORMAL:
+        if not self._started or self._closed or self.signals.status != NORMAL:
             self._check_can_submit(what)
 
     def _fences(self, fence) -> list:
