@@ -179,9 +179,9 @@ class InProcessWorkers:
 
 
 @contextlib.contextmanager
-def in_process_deployment(spec, tp):
+def in_process_deployment(spec, tp, **backend_kwargs):
     """A sim deployment with in-process workers that a reshard can start and stop (the pool)."""
-    with deployment(spec, tp=tp) as (backend, workers):
+    with deployment(spec, tp=tp, **backend_kwargs) as (backend, workers):
         pool = InProcessWorkers(backend, workers)
         try:
             yield backend, pool
@@ -765,6 +765,52 @@ def test_a_resumed_scale_out_refills_new_ranks_that_a_rollback_replaced():
         model.attach()
         assert model.check() == []
         model.detach()
+
+
+
+def test_a_store_task_that_read_normal_before_a_reshard_is_sent_in_the_old_geometry_before_it(tmp_path):
+    """A put to the store past its status check (its CPU block id checked against tp 1) is held before it is
+    sent while a reshard to tp 2 begins: the reshard waits for it, so it goes out in the geometry it was checked
+    in. Sent after the step, it would name a CPU block id of the old tier on the new ranks."""
+    spec = small_spec(num_gpu_blocks=16, num_cpu_blocks=8, num_kv_heads=4)
+    rng = np.random.default_rng(53)
+    with in_process_deployment(spec, tp=1, store=f"file://{tmp_path}/l3") as (backend, pool):
+        model = filled_model(backend, rng, 0)
+        cpu = backend.allocate_cpu_blocks(1)
+        backend.swap_out([5], cpu).result(30)
+        model.detach()
+        host, tasks = backend._resharder._host, backend._store_tasks
+        real_send, real_wait = tasks._send_task, host.wait_submissions
+        held, at_gate, sent_at_tp, out = threading.Event(), threading.Event(), [], []
+
+        def held_send(handle, message):
+            held.set()
+            at_gate.wait(60)        # until the reshard waits for this put (or, not waiting, has finished)
+            sent_at_tp.append(backend.tp_size)
+            return real_send(handle, message)
+
+        def wait_submissions(deadline):
+            if backend._submissions._held:     # the put holds the gate: the reshard waits for it
+                at_gate.set()
+            return real_wait(deadline)
+        tasks._send_task, host.wait_submissions = held_send, wait_submissions
+
+        def put():
+            try:
+                out.append(backend.cpu_to_store("m/0", [0x5EED], cpu).result(30))
+            except Exception as exc:        # noqa: BLE001 -- asserted below
+                out.append(exc)
+        thread = threading.Thread(target=put)
+        thread.start()
+        try:
+            assert held.wait(30)
+            backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+        finally:
+            at_gate.set()
+            thread.join(60)
+            tasks._send_task, host.wait_submissions = real_send, real_wait
+        assert sent_at_tp == [1], sent_at_tp
+        assert len(out) == 1 and not isinstance(out[0], Exception), out
 
 
 def test_a_swap_that_read_normal_before_a_reshard_is_sent_in_the_old_geometry_before_it():

@@ -89,7 +89,7 @@ class SwapBackend:
         self._submissions = SubmitGate(self._refuse_unless_normal)
         # L3 (docs/design.md §8); made here so that a bad store URL is refused before anything starts
         self._store_tasks = StoreTasks(store, lambda: (self.spec, self.tp_size), self._new_task, self._send_task,
-                                       lambda: self._closed)
+                                       lambda: self._closed, self._submissions)
         self.allocator = CpuBlockAllocator(spec.num_cpu_blocks)
         self.counters = SwapCounters()              # exported by fastcache.metrics
         self._task_ids = itertools.count(1)

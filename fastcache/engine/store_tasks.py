@@ -29,13 +29,15 @@ class StoreTasks:
 
     geometry() gives the spec and tp_size now (a reshard changes both); new_task(kind, nbytes, what) is the
     handle of a task about to be sent, or why none can be (RefusedError, TransferError); send_task(handle,
-    message) sends it to every rank; closed() says whether the backend is closed (no client may start then)."""
+    message) sends it to every rank; closed() says whether the backend is closed (no client may start then);
+    gate: a SubmitGate a submission holds from its status check, before it reads the geometry, until it is sent."""
 
     def __init__(self, store: str | None, geometry: Callable[[], tuple[CacheSpec, int]],
                  new_task: Callable[..., TransferHandle], send_task: Callable[..., TransferHandle],
-                 closed: Callable[[], bool]):
+                 closed: Callable[[], bool], gate=None):
         self.url: StoreURL | None = parse_store_url(store) if store is not None else None   # ValueError first
         self._geometry, self._new_task, self._send_task, self._closed = geometry, new_task, send_task, closed
+        self._gate = gate                       # a SubmitGate (engine/submit_gate.py), held from status to send
         self._client = None                     # the engine's own client (a child process), made on first use
         self._client_lock = threading.Lock()    # this deployment's alone: opening can take seconds
 
@@ -79,16 +81,23 @@ class StoreTasks:
         self._require_store()
         check_namespace(namespace)
         hashes = as_hashes(hashes)
-        spec, tp_size = self._geometry()
-        cpu_ids = as_cpu_ids(cpu_block_ids, spec.num_cpu_blocks)
-        if len(hashes) != len(cpu_ids):
-            raise ValueError(f"hashes has {len(hashes)} entries but cpu_block_ids has {len(cpu_ids)}")
-        if not 0 < len(hashes) <= protocol.MAX_IDS:
-            raise ValueError(f"a store task moves 1..{protocol.MAX_IDS} blocks, got {len(hashes)}")
-        if len(np.unique(hashes)) != len(hashes):
-            raise ValueError("duplicate hashes")
-        handle = self._new_task(kind, len(cpu_ids) * spec.cpu_block_bytes * tp_size, "store task")
-        return self._send_task(handle, protocol.encode_store_task(handle.task_id, kind, namespace, hashes, cpu_ids))
+        if self._gate is not None:
+            self._gate.enter("store task")     # the status before the geometry the ids are checked against
+        try:
+            spec, tp_size = self._geometry()
+            cpu_ids = as_cpu_ids(cpu_block_ids, spec.num_cpu_blocks)
+            if len(hashes) != len(cpu_ids):
+                raise ValueError(f"hashes has {len(hashes)} entries but cpu_block_ids has {len(cpu_ids)}")
+            if not 0 < len(hashes) <= protocol.MAX_IDS:
+                raise ValueError(f"a store task moves 1..{protocol.MAX_IDS} blocks, got {len(hashes)}")
+            if len(np.unique(hashes)) != len(hashes):
+                raise ValueError("duplicate hashes")
+            handle = self._new_task(kind, len(cpu_ids) * spec.cpu_block_bytes * tp_size, "store task")
+            return self._send_task(handle, protocol.encode_store_task(handle.task_id, kind, namespace, hashes,
+                                                                      cpu_ids))
+        finally:
+            if self._gate is not None:
+                self._gate.leave()
 
     def _client_now(self):
         with self._client_lock:
