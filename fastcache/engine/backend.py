@@ -217,8 +217,8 @@ class SwapBackend:
         self._submissions.enter("swap")         # the status before the geometry the ids are checked against
         try:
             spec = self.spec
-            # a small request of valid ids is checked in plain Python (ids.py); anything else, valid or not, by
-            # _validate
+            # a small request of valid ids is checked in plain Python (ids.py); anything else, valid or not,
+            # by _validate
             ids = small_swap_ids(gpu_block_ids, cpu_block_ids, kind == protocol.SWAP_TO_CPU, spec.num_gpu_blocks,
                                  spec.num_cpu_blocks)
             if ids is None:
@@ -228,6 +228,7 @@ class SwapBackend:
             self._submissions.leave()
 
     def _refuse_unless_normal(self, what: str):
+        """The submit gate's check: _check_can_submit's refusal unless the deployment runs in NORMAL."""
         if not self._started or self._closed or self.signals.status != NORMAL:
             self._check_can_submit(what)
 
