@@ -790,7 +790,7 @@ def test_a_store_task_that_read_normal_before_a_reshard_is_sent_in_the_old_geome
             return real_send(handle, message)
 
         def wait_submissions(deadline):
-            if backend._submissions._held:     # the put holds the gate: the reshard waits for it
+            if backend._submissions.held:     # the put holds the gate: the reshard waits for it
                 at_gate.set()
             return real_wait(deadline)
         tasks._send_task, host.wait_submissions = held_send, wait_submissions
