@@ -768,6 +768,43 @@ def test_a_resumed_scale_out_refills_new_ranks_that_a_rollback_replaced():
 
 
 
+def submitted_across_a_reshard(backend, pool, owner, submit, tp):
+    """submit() on a thread, its send (owner._send_task) held until the reshard to tp waits at the submit gate
+    while the submission holds it (or, never waiting for it, has finished). Returns the reshard's (spec, block
+    map), what submit's handle gave (its result() or the exception), and the deployment's tp at each send."""
+    host = backend._resharder._host
+    real_send, real_wait = owner._send_task, host.wait_submissions
+    held, at_gate, sent_at_tp, out = threading.Event(), threading.Event(), [], []
+
+    def held_send(handle, message):
+        held.set()
+        at_gate.wait(60)
+        sent_at_tp.append(backend.tp_size)
+        return real_send(handle, message)
+
+    def wait_submissions(deadline):
+        if backend._submissions.held:     # the submission holds the gate: the reshard waits for it
+            at_gate.set()
+        return real_wait(deadline)
+    owner._send_task, host.wait_submissions = held_send, wait_submissions
+
+    def run():
+        try:
+            out.append(submit().result(30))
+        except Exception as exc:        # noqa: BLE001 -- the caller asserts
+            out.append(exc)
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert held.wait(30)
+        reshard = backend.reshard(tp, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
+    finally:
+        at_gate.set()
+        thread.join(60)
+        owner._send_task, host.wait_submissions = real_send, real_wait
+    return reshard, out, sent_at_tp
+
+
 def test_a_store_task_that_read_normal_before_a_reshard_is_sent_in_the_old_geometry_before_it(tmp_path):
     """A put to the store past its status check (its CPU block id checked against tp 1) is held before it is
     sent while a reshard to tp 2 begins: the reshard waits for it, so it goes out in the geometry it was checked
@@ -779,36 +816,8 @@ def test_a_store_task_that_read_normal_before_a_reshard_is_sent_in_the_old_geome
         cpu = backend.allocate_cpu_blocks(1)
         backend.swap_out([5], cpu).result(30)
         model.detach()
-        host, tasks = backend._resharder._host, backend._store_tasks
-        real_send, real_wait = tasks._send_task, host.wait_submissions
-        held, at_gate, sent_at_tp, out = threading.Event(), threading.Event(), [], []
-
-        def held_send(handle, message):
-            held.set()
-            at_gate.wait(60)        # until the reshard waits for this put (or, not waiting, has finished)
-            sent_at_tp.append(backend.tp_size)
-            return real_send(handle, message)
-
-        def wait_submissions(deadline):
-            if backend._submissions.held:     # the put holds the gate: the reshard waits for it
-                at_gate.set()
-            return real_wait(deadline)
-        tasks._send_task, host.wait_submissions = held_send, wait_submissions
-
-        def put():
-            try:
-                out.append(backend.cpu_to_store("m/0", [0x5EED], cpu).result(30))
-            except Exception as exc:        # noqa: BLE001 -- asserted below
-                out.append(exc)
-        thread = threading.Thread(target=put)
-        thread.start()
-        try:
-            assert held.wait(30)
-            backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
-        finally:
-            at_gate.set()
-            thread.join(60)
-            tasks._send_task, host.wait_submissions = real_send, real_wait
+        _, out, sent_at_tp = submitted_across_a_reshard(
+            backend, pool, backend._store_tasks, lambda: backend.cpu_to_store("m/0", [0x5EED], cpu), 2)
         assert sent_at_tp == [1], sent_at_tp
         assert len(out) == 1 and not isinstance(out[0], Exception), out
 
@@ -823,34 +832,8 @@ def test_a_swap_that_read_normal_before_a_reshard_is_sent_in_the_old_geometry_be
         model = filled_model(backend, rng, 0)
         model.detach()
         cpu = backend.allocate_cpu_blocks(1)
-        host = backend._resharder._host
-        real_send, real_wait = backend._send_task, host.wait_submissions
-        held, at_gate, out = threading.Event(), threading.Event(), []
-
-        def held_send(handle, message):
-            held.set()
-            at_gate.wait(60)        # until the reshard waits for this swap (or, not waiting, has finished)
-            return real_send(handle, message)
-
-        def wait_submissions(deadline):
-            at_gate.set()
-            return real_wait(deadline)
-        backend._send_task, host.wait_submissions = held_send, wait_submissions
-
-        def swap():
-            try:
-                out.append(backend.swap_out([3], cpu).result(30))
-            except Exception as exc:        # noqa: BLE001 -- asserted below
-                out.append(exc)
-        thread = threading.Thread(target=swap)
-        thread.start()
-        try:
-            assert held.wait(30)
-            new, block_map = backend.reshard(2, start_workers=pool.start, stop_workers=pool.stop, timeout=60)
-        finally:
-            at_gate.set()
-            thread.join(60)
-            backend._send_task, host.wait_submissions = real_send, real_wait
+        (new, block_map), out, _ = submitted_across_a_reshard(
+            backend, pool, backend, lambda: backend.swap_out([3], cpu), 2)
         assert len(out) == 1 and not isinstance(out[0], Exception), out
         model.swapped_out([3], cpu)
         model.remap(block_map, backend.last_reshard["cpu_block_map"])

@@ -363,6 +363,24 @@ def test_a_load_short_of_blocks_puts_its_victims_into_the_store_before_their_blo
         cache.close()
 
 
+class OnceAfterLock:
+    """Stands in for a cache's lock: the first time the cache's method `method` lets it go, action() runs (what
+    another thread could do right then)."""
+
+    def __init__(self, cache, method: str, action):
+        self.lock, self._method, self._action = cache._lock, method, action
+        self.armed = True
+
+    def __enter__(self):
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        if self.armed and sys._getframe(1).f_code.co_name == self._method:
+            self.armed = False
+            self._action()
+
+
 def test_a_write_through_is_put_under_the_namespace_its_block_was_stored_in(tmp_path):
     """The namespace may change the moment the swap-out's callback lets go of the lock: the put must still
     go under the old one (new weights must never find old KV)."""
@@ -372,18 +390,9 @@ def test_a_write_through_is_put_under_the_namespace_its_block_was_stored_in(tmp_
         fill(workers, [0], rng)
         lock = cache._lock
 
-        class ChangeRightAfter:             # the namespace changes as _write_through's lock is let go
-            armed = True
-
-            def __enter__(self):
-                lock.acquire()
-
-            def __exit__(self, *exc):
-                lock.release()
-                if self.armed and sys._getframe(1).f_code.co_name == "_write_through":
-                    self.armed = False
-                    cache.namespace = "m/1"
-        cache._lock = ChangeRightAfter()
+        def change():                       # the namespace changes as _write_through's lock is let go
+            cache.namespace = "m/1"
+        cache._lock = OnceAfterLock(cache, "_write_through", change)
         cache.store([7], [0]).result(30)
         assert cache.namespace == "m/1"
         wait_for(lambda: cache.stats()["l3_written_blocks"] == 1, 30, "the write-through")
@@ -583,19 +592,8 @@ def test_a_write_through_queued_as_the_cache_closes_lets_go_of_its_pins_and_bloc
         cache = TieredCache(backend, "m/0", capacity=4, write="through")
         fill(workers, [0], rng)
         lock = cache._lock
-
-        class CloseRightAfter:              # close(timeout=0) as _write_through's lock is let go
-            armed = True
-
-            def __enter__(self):
-                lock.acquire()
-
-            def __exit__(self, *exc):
-                lock.release()
-                if self.armed and sys._getframe(1).f_code.co_name == "_write_through":
-                    self.armed = False
-                    cache.close(timeout=0)
-        cache._lock = hook = CloseRightAfter()
+        # close(timeout=0) as _write_through's lock is let go
+        cache._lock = hook = OnceAfterLock(cache, "_write_through", lambda: cache.close(timeout=0))
         cache.store([7], [0]).result(30)
         assert not hook.armed
         wait_for(lambda: backend.allocator.num_free == total, 30, "the quota's blocks back in the allocator")
@@ -691,21 +689,12 @@ def test_a_load_whose_hashes_finish_storing_as_it_starts_loads_them_while_the_st
         backend.submit_checked_swap = swap
         lock = cache._lock
 
-        class StoredRightAfter:         # the store completes as load()'s first look lets go of the lock
-            armed = True
-
-            def __enter__(self):
-                lock.acquire()
-
-            def __exit__(self, *exc):
-                lock.release()
-                if self.armed and sys._getframe(1).f_code.co_name == "_l2_holds":
-                    self.armed = False
-                    real, fake = held[0]
-                    real.result(30)
-                    for r in range(2):
-                        fake.rank_finished(r, nbytes=real.nbytes // 2)
-        cache._lock = hook = StoredRightAfter()
+        def stored():                   # the store completes as load()'s first look lets go of the lock
+            real, fake = held[0]
+            real.result(30)
+            for r in range(2):
+                fake.rank_finished(r, nbytes=real.nbytes // 2)
+        cache._lock = hook = OnceAfterLock(cache, "_l2_holds", stored)
         dst = [10]
         poison(workers, dst, rng)
         cache.load([7], dst).result(30)

@@ -19,7 +19,7 @@ class BackendReshardHost:
     iterating it)."""
 
     def __init__(self, backend, weights, phases, ranks, channel, tiers,
-                 take_geometry: Callable[[object, int, list], None], submissions=None):
+                 take_geometry: Callable[[object, int, list], None], submissions):
         self._b = backend
         self.weights = weights
         self._phases, self._ranks, self._channel, self._tiers = phases, ranks, channel, tiers
@@ -44,7 +44,7 @@ class BackendReshardHost:
 
     def wait_submissions(self, deadline) -> bool:
         """Until every swap that read the status before it changed is sent; False on timeout."""
-        return self._submissions is None or self._submissions.wait_idle(deadline - time.monotonic())
+        return self._submissions.wait_idle(deadline - time.monotonic())
 
     def run_phase(self, phase, message, deadline):
         self._phases.run_phase(phase, message, deadline)

@@ -34,7 +34,7 @@ class StoreTasks:
 
     def __init__(self, store: str | None, geometry: Callable[[], tuple[CacheSpec, int]],
                  new_task: Callable[..., TransferHandle], send_task: Callable[..., TransferHandle],
-                 closed: Callable[[], bool], gate=None):
+                 closed: Callable[[], bool], gate):
         self.url: StoreURL | None = parse_store_url(store) if store is not None else None   # ValueError first
         self._geometry, self._new_task, self._send_task, self._closed = geometry, new_task, send_task, closed
         self._gate = gate                       # a SubmitGate (engine/submit_gate.py), held from status to send
@@ -81,8 +81,7 @@ class StoreTasks:
         self._require_store()
         check_namespace(namespace)
         hashes = as_hashes(hashes)
-        if self._gate is not None:
-            self._gate.enter("store task")     # the status before the geometry the ids are checked against
+        self._gate.enter("store task")         # the status before the geometry the ids are checked against
         try:
             spec, tp_size = self._geometry()
             cpu_ids = as_cpu_ids(cpu_block_ids, spec.num_cpu_blocks)
@@ -96,8 +95,7 @@ class StoreTasks:
             return self._send_task(handle, protocol.encode_store_task(handle.task_id, kind, namespace, hashes,
                                                                       cpu_ids))
         finally:
-            if self._gate is not None:
-                self._gate.leave()
+            self._gate.leave()
 
     def _client_now(self):
         with self._client_lock:
