@@ -111,6 +111,27 @@ def assert_prefix_sensitive(out):
                     f"{s + 1}-block prefixes: one first token {tokens[0]}, logprobs {lp}, {other_lp} too close"
 
 
+def cpu_tier_events(report, capacity=None) -> tuple[set, int]:
+    """vLLM's KV events for the CPU tier (medium CPU, published by vLLM from fastcache's take_events), replayed in
+    order: each block announced stored is one vLLM computed (announced on the GPU) and not held already, each
+    removal is of a held block, and at most `capacity` are held at once. Returns (held at the end, removals)."""
+    events = report["kv_events"]
+    computed = {h for kind, h in events.get("GPU", []) if kind == "BlockStored"}
+    held, removals, most = set(), 0, 0
+    for kind, h in events.get("CPU", []):
+        assert kind in ("BlockStored", "BlockRemoved"), kind
+        if kind == "BlockStored":
+            assert h in computed and h not in held, h
+            held.add(h)
+            most = max(most, len(held))
+        else:
+            assert h in held, h
+            held.discard(h)
+            removals += 1
+    assert capacity is None or most <= capacity, (most, capacity)
+    return held, removals
+
+
 def reference(*args, env=None):
     out = outputs(drive("--rounds", 1, *args, env=env))
     assert_prefix_sensitive(out)
@@ -119,8 +140,13 @@ def reference(*args, env=None):
 
 @pytest.fixture(scope="module")
 def plain():
-    """vLLM alone (its own prefix cache only) on seed 1's weights: what every fastcache run must match."""
-    return reference()
+    """vLLM alone (its own prefix cache only) on seed 1's weights: what every fastcache run must match. Its KV
+    events show the GPU's blocks and, with no offloading, none on the CPU."""
+    report = drive("--rounds", 1, "--kv-events")
+    out = outputs(report)
+    assert_prefix_sensitive(out)
+    assert cpu_tier_events(report) == (set(), 0) and report["kv_events"]["GPU"]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +159,11 @@ def plain2(plain):
 
 @pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
 def test_outputs_equal_and_round_two_loads_from_fastcache(plain, fault):
-    report = drive("--fastcache", "--rounds", 2, env=WRONG_CHUNK if fault else None)
+    """Also vLLM's KV events: the CPU tier, large enough, announces every block vLLM computed, once."""
+    report = drive("--fastcache", "--rounds", 2, "--kv-events", env=WRONG_CHUNK if fault else None)
     weights_namespace(report)
+    computed = {h for kind, h in report["kv_events"]["GPU"] if kind == "BlockStored"}
+    assert cpu_tier_events(report) == (computed, 0) and len(computed) == SHARED_BLOCKS, len(computed)
     assert_same(outputs(report, 0), plain, "round one")
     hits, loaded = per_round(report["external_hits"]), per_round(report["load_bytes"])
     assert hits[0] == 0 and hits[1] >= SHARED_BLOCKS * BLOCK_TOKENS, hits
@@ -164,8 +193,12 @@ def test_chunks_of_several_blocks(plain, fault):
 
 @pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
 def test_tier_smaller_than_the_working_set_still_equal(plain, fault):
-    """6 chunks for 16 shared blocks: stores evict, round two finds only part of its prefixes."""
-    report = drive("--fastcache", "--rounds", 2, "--cpu-bytes", 6 * BLOCK_BYTES, env=WRONG_CHUNK if fault else None)
+    """6 chunks for 16 shared blocks: stores evict, round two finds only part of its prefixes. vLLM's KV events
+    announce the evictions, and never more than 6 blocks held."""
+    report = drive("--fastcache", "--rounds", 2, "--cpu-bytes", 6 * BLOCK_BYTES, "--kv-events",
+                   env=WRONG_CHUNK if fault else None)
+    held, removals = cpu_tier_events(report, capacity=6)
+    assert removals >= SHARED_BLOCKS - 6 and 0 < len(held) <= 6, (len(held), removals)
     hits = per_round(report["external_hits"])
     assert 0 < hits[1] < SHARED_BLOCKS * BLOCK_TOKENS, hits
     if fault:

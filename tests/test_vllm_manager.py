@@ -193,6 +193,50 @@ def test_l3_hits_that_no_chunk_can_take_fail_their_blocks_instead_of_the_schedul
     assert hits(manager, 2) == [True] and len(manager._policy) == len(manager._entries) == 3
 
 
+def events_of(manager):
+    """take_events() as (stored or removed, key numbers) per event, each on vLLM's CPU medium."""
+    from vllm.v1.kv_offload.base import Medium
+    out = []
+    for event in manager.take_events():
+        assert event.medium == Medium.CPU
+        out.append(("removed" if event.removed else "stored", [int.from_bytes(k[:32], "big") for k in event.keys]))
+    return out
+
+
+@pytest.mark.parametrize("world", ["lru"], indirect=True)
+def test_kv_events_announce_what_the_cpu_tier_holds_once_stamped_and_what_it_loses(world, monkeypatch):
+    """vLLM's KV events for the CPU tier (kv_events_config.enable_kv_cache_events): a key is announced
+    stored once every rank stamped it, never at prepare_store; a store that did not land on every rank, a
+    failed store and a failed L3 fetch announce nothing; an eviction of an announced key announces its
+    removal, in order with the stores; an L3 fetch that landed is announced stored; a reset announces
+    nothing. With events off (the default) nothing is kept."""
+    manager, land = world
+    assert manager._events is None and events_of(manager) == []         # off by default
+    manager._events = []                    # as FastcacheOffloadingSpec makes it with events enabled
+    out = manager.prepare_store([key(1), key(2)], None)
+    assert events_of(manager) == []                                      # not before the copies land
+    land(out.store_spec, ranks=[0])
+    land(out.store_spec, ranks=[1], only=np.array([False, True]))        # key 1 never landed on rank 1
+    manager.complete_store(out.keys_to_store, None)
+    assert events_of(manager) == [("stored", [2])]
+    failed = manager.prepare_store([key(8)], None)
+    land(failed.store_spec)
+    manager.complete_store(failed.keys_to_store, None, success=False)
+    assert events_of(manager) == []
+    stored(manager, land, 3, 4)             # two of the three chunks are free: no eviction
+    stored(manager, land, 5)                # the chain 3, 4 goes from its tail; 2 is older
+    assert events_of(manager) == [("stored", [3, 4]), ("removed", [2]), ("stored", [5])]
+    manager._store_url = "file:///unused"
+    in_store = {key(6), key(7)}
+    monkeypatch.setattr(manager, "_in_store", lambda k: k in in_store)
+    load = manager.prepare_load([key(6), key(7)], None)  # two fetches: two evictions
+    land(load, only=np.array([False, True]))             # key 6's fetch failed
+    manager.complete_load([key(6), key(7)], None)
+    assert events_of(manager) == [("removed", [4, 3]), ("stored", [7])]
+    manager.reset_cache()
+    assert events_of(manager) == []
+
+
 def test_reset_drops_everything_and_moves_l3_to_a_new_generation(world):
     manager, land = world
     stored(manager, land, 1, 2)
@@ -237,21 +281,23 @@ def test_reset_scope_names_the_engine_after_a_reset_under_a_default_namespace():
 
 
 # -- the eviction policy ("policy" in kv_connector_extra_config) ------------------------------------
-def test_the_default_policy_is_evictions_default_and_the_extra_config_option_reaches_the_manager(world):
+def test_the_default_policy_is_evictions_default_and_the_extra_config_options_reach_the_manager(world):
     from types import SimpleNamespace
     from fastcache.integrations.vllm.options import VllmOptions
     from fastcache.integrations.vllm.spec import FastcacheOffloadingSpec
     manager, _ = world
     assert manager._policy.name == DEFAULT_POLICY              # fastcache/eviction.py's default
     assert VllmOptions.from_extra_config({"cpu_bytes_to_use": 1}).policy == DEFAULT_POLICY
-    for name in POLICIES:
+    for name, events in zip(POLICIES, itertools.cycle((True, False))):
         spec = object.__new__(FastcacheOffloadingSpec)      # what FastcacheOffloadingSpec.__init__ leaves
         spec.options = VllmOptions.from_extra_config({"cpu_bytes_to_use": 1 << 20, "policy": name})
         spec.config = SimpleNamespace(engine_id=f"test-policy-{os.getpid()}-{next(_engines)}")
         spec.world_size, spec.num_chunks, spec.blocks_per_chunk, spec._manager = 1, 4, 1, None
+        spec.kv_events_config = SimpleNamespace(enable_kv_cache_events=events)     # vLLM's, from its config
         made = spec.get_manager()
         try:
             assert made._policy.name == name and made._policy.capacity == 4
+            assert (made._events is not None) == events
         finally:
             made.shutdown()
 

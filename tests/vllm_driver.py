@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("PYTHONHASHSEED", "0")       # vLLM's block hashes: equal across engines (L3 sharing)
@@ -88,6 +89,8 @@ def main():
                     help="after an update: reset_prefix_cache(reset_connector=True), or the plain call")
     ap.add_argument("--kill-after", type=int, help="kill the transfer managers after this round")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--kv-events", action="store_true",
+                    help="enable vLLM's KV events (a zmq publisher in the scratch directory) and report them")
     ap.add_argument("--longest-first", action="store_true",
                     help="submit the batch longest prompt first (outputs are reported in prompts() order)")
     args = ap.parse_args()
@@ -104,14 +107,65 @@ def main():
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class KvEvents:
+    """vLLM's KV events as a subscriber gets them: a SUB socket on the engine's publisher, read by a thread."""
+
+    def __init__(self, endpoint):
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+        self.endpoint, self.batches, self._stop = endpoint, [], False
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(endpoint)         # before the engine binds it: zmq connects once it is there
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self._seen = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        while not self._stop:
+            if self._sub.poll(50):
+                _, _, payload = self._sub.recv_multipart()
+                with self._seen:
+                    self.batches.append(self._decode(payload))
+                    self._seen.notify_all()
+
+    def wait_past(self, stamp, timeout=60.0):
+        """Until a batch made after `stamp` (time.time()) arrived: every batch published before it has too."""
+        with self._seen:
+            if not self._seen.wait_for(lambda: any(b.ts > stamp for b in self.batches), timeout):
+                raise TimeoutError(f"no KV event batch after {stamp} in {timeout} s")
+
+    def report(self, before):
+        """Per medium, [event type, block hash] in order (a clear's hash None), of the batches made before
+        `before`."""
+        out = {}
+        for batch in (b for b in self.batches if b.ts <= before):
+            for event in batch.events:
+                kind = type(event).__name__
+                seen = out.setdefault(getattr(event, "medium", None) or "GPU", [])
+                if kind == "AllBlocksCleared":
+                    seen.append([kind, None])
+                else:
+                    seen += [[kind, h.hex() if isinstance(h, bytes) else h] for h in event.block_hashes]
+        return out
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self._sub.close(0)
+        self._context.term()
+
+
 def run(args, scratch):
-    from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     tiny = tiny_gemma2 if args.hybrid else tiny_llama
-    prompts, write_checkpoint = tiny.prompts, tiny.write_checkpoint
-    model = args.model or write_checkpoint(os.path.join(scratch, f"seed{args.seed}"), args.seed)
+    model = args.model or tiny.write_checkpoint(os.path.join(scratch, f"seed{args.seed}"), args.seed)
     kv = None
     if args.fastcache:
         extra = {"spec_name": "FastcacheOffloadingSpec", "spec_module_path": "fastcache.integrations.vllm",
@@ -124,10 +178,26 @@ def run(args, scratch):
                               kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     report = {"rounds": [], "logprobs": [], "cached": [], "external_hits": [], "load_bytes": [], "killed": [],
               "transfer_managers": 0}
+    events = KvEvents(f"ipc://{scratch}/kv-events") if args.kv_events else None
+    try:
+        run_engine(args, scratch, tiny, model, kv, report, events)
+    finally:
+        if events is not None:
+            events.close()
+
+
+def run_engine(args, scratch, tiny, model, kv, report, events):
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+    from vllm.inputs import TokensPrompt
+
+    prompts, write_checkpoint = tiny.prompts, tiny.write_checkpoint
+    kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint) \
+        if events is not None else None
     try:
         llm = LLM(model=model, revision=args.revision, load_format=args.load_format, skip_tokenizer_init=True, enforce_eager=True, seed=0,
                   dtype="float32", kv_transfer_config=kv, disable_log_stats=False, tensor_parallel_size=args.tp,
-                  worker_extension_cls="vllm_driver.Inspect")
+                  worker_extension_cls="vllm_driver.Inspect", kv_events_config=kv_events)
     except Exception as exc:
         report["start_error"] = f"{type(exc).__name__}: {exc}"
         print("REPORT " + json.dumps(report), flush=True)
@@ -165,6 +235,12 @@ def run(args, scratch):
                     proc.kill()
                     report["killed"].append(proc.pid)
         report["transfer_managers"] = len(transfer_managers())
+        if events is not None:      # one more request (a full block at least), then every batch before it is in
+            mark = time.time()
+            block = llm.llm_engine.vllm_config.cache_config.block_size
+            llm.generate([TokensPrompt(prompt_token_ids=[1] * (2 * block))], params, use_tqdm=False)
+            events.wait_past(mark)
+            report["kv_events"] = events.report(before=mark)
     finally:
         report["dist_removed"] = remove_dist_segments(report["dist_idents"])
     print("REPORT " + json.dumps(report), flush=True)

@@ -15,6 +15,11 @@ TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
 - Weights change, the cache goes: reset_cache() (vLLM's reset_prefix_cache(reset_connector=True)) drops every
   entry and moves L3 to a new namespace generation, so nothing stored before is served; a request vLLM showed
   the manager before the reset stores nothing after it (vLLM offers its chunks again, KV of the old weights).
+- KV events (vLLM's `kv_events_config.enable_kv_cache_events`): take_events() gives what the CPU tier gained and
+  lost since the last call, in order, as vLLM's own CPU manager does: a key is announced stored once every
+  worker rank stamped it (a store, or an L3 fetch into a chunk), never at prepare_store, and removed when an
+  announced entry goes (an eviction); a failed store or fetch was never announced and announces nothing. A
+  reset announces nothing (vLLM's reset_prefix_cache clears every medium's blocks in one event of its own).
 - L3 (optional): a key missing from the CPU tier but held by the store for every rank is a hit; its load
   first fetches it into a chunk (the worker runs the fetch, then the swap-in). The manager asks the store
   through the engine's bounded client in a child process (store/remote.py), never a store client of its
@@ -29,7 +34,7 @@ import logging
 import time
 
 import numpy as np
-from vllm.v1.kv_offload.base import (LookupResult, OffloadingManager, PrepareStoreOutput,
+from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, OffloadingManager, PrepareStoreOutput,
                                      RequestOffloadingContext)
 
 from ...eviction import DEFAULT_POLICY, make_policy
@@ -63,7 +68,8 @@ class Entry:
 
 class FastcacheManager(OffloadingManager):
     def __init__(self, num_chunks: int, blocks_per_chunk: int, links: ManagerLinks, world_size: int,
-                 store: str | None = None, policy: str = DEFAULT_POLICY, store_timeout: float = QUERY_TIMEOUT):
+                 store: str | None = None, policy: str = DEFAULT_POLICY, store_timeout: float = QUERY_TIMEOUT,
+                 enable_events: bool = False):
         self.num_chunks, self.blocks_per_chunk, self.world_size = num_chunks, blocks_per_chunk, world_size
         self._policy = make_policy(policy, num_chunks)     # ValueError naming the choices
         self._links = links
@@ -74,6 +80,7 @@ class FastcacheManager(OffloadingManager):
         self._store_url, self._store, self._l3_keys = store, None, None
         self._store_timeout = store_timeout
         self._store_aside_until = 0.0           # monotonic time before which the store is not asked
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
 
     # -- lookups ---------------------------------------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
@@ -126,6 +133,7 @@ class FastcacheManager(OffloadingManager):
         for key, good in zip(fetched, ok):
             if good:
                 self._entries[key].state = READY
+                self._announce(key, removed=False)
         for key in keys:
             entry = self._entries[key]
             entry.pins -= 1
@@ -167,8 +175,16 @@ class FastcacheManager(OffloadingManager):
         for key, good in zip(pending, ok):
             if good:
                 self._entries[key].state = READY
+                self._announce(key, removed=False)
             else:
                 self._drop(key)
+
+    def take_events(self):
+        """The CPU tier's stores and removals since the last call, in order (none unless events are enabled)."""
+        events = self._events
+        if events:
+            self._events = []
+            yield from events
 
     # -- requests and resets ---------------------------------------------------------------------
     def on_new_request(self, req_context) -> RequestOffloadingContext:
@@ -248,8 +264,20 @@ class FastcacheManager(OffloadingManager):
         entry = self._entries.pop(key)
         if not evicted:
             self._policy.remove(key)
+        if entry.state == READY:                # announced as stored: its removal is announced
+            self._announce(key, removed=True)
         if entry.chunk != NO_CHUNK:
             self._free.append(entry.chunk)
+
+    def _announce(self, key, removed: bool):
+        """A KV event for key, joined to the last one when that is of the same kind (one event per run)."""
+        events = self._events
+        if events is None:
+            return
+        if events and events[-1].removed == removed:
+            events[-1].keys.append(key)
+        else:
+            events.append(OffloadingEvent(keys=[key], medium=Medium.CPU, removed=removed))
 
     def _in_store(self, key) -> bool:
         if time.monotonic() < self._store_aside_until:

@@ -55,7 +55,8 @@ class FastcacheOffloadingSpec(OffloadingSpec):
             links = ManagerLinks(self.config.engine_id, self.world_size)
             self._manager = FastcacheManager(self.num_chunks, self.blocks_per_chunk, links, self.world_size,
                                              store=self.options.store, policy=self.options.policy,
-                                             store_timeout=self.options.store_timeout)
+                                             store_timeout=self.options.store_timeout,
+                                             enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
     def get_worker(self, kv_caches) -> FastcacheWorker:
