@@ -159,11 +159,15 @@ def plain2(plain):
 
 @pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
 def test_outputs_equal_and_round_two_loads_from_fastcache(plain, fault):
-    """Also vLLM's KV events: the CPU tier, large enough, announces every block vLLM computed, once."""
+    """Also vLLM's KV events and the connector's metrics: the CPU tier, large enough, announces every block vLLM
+    computed, once, and holds those blocks of its 512 chunks, having evicted and dropped nothing."""
     report = drive("--fastcache", "--rounds", 2, "--kv-events", env=WRONG_CHUNK if fault else None)
     weights_namespace(report)
     computed = {h for kind, h in report["kv_events"]["GPU"] if kind == "BlockStored"}
     assert cpu_tier_events(report) == (computed, 0) and len(computed) == SHARED_BLOCKS, len(computed)
+    metrics = report["metrics"]
+    assert metrics["fastcache:kv_offload_cpu_used_perc"] == SHARED_BLOCKS / ((256 << 20) // BLOCK_BYTES), metrics
+    assert metrics["fastcache:kv_offload_cpu_evictions"] == metrics["fastcache:kv_offload_cpu_dropped"] == 0
     assert_same(outputs(report, 0), plain, "round one")
     hits, loaded = per_round(report["external_hits"]), per_round(report["load_bytes"])
     assert hits[0] == 0 and hits[1] >= SHARED_BLOCKS * BLOCK_TOKENS, hits
@@ -194,11 +198,14 @@ def test_chunks_of_several_blocks(plain, fault):
 @pytest.mark.parametrize("fault", [False, True], ids=["right", "wrong-chunk"])
 def test_tier_smaller_than_the_working_set_still_equal(plain, fault):
     """6 chunks for 16 shared blocks: stores evict, round two finds only part of its prefixes. vLLM's KV events
-    announce the evictions, and never more than 6 blocks held."""
+    announce the evictions, and never more than 6 blocks held; the connector's metrics count as many."""
     report = drive("--fastcache", "--rounds", 2, "--cpu-bytes", 6 * BLOCK_BYTES, "--kv-events",
                    env=WRONG_CHUNK if fault else None)
     held, removals = cpu_tier_events(report, capacity=6)
     assert removals >= SHARED_BLOCKS - 6 and 0 < len(held) <= 6, (len(held), removals)
+    metrics = report["metrics"]
+    assert metrics["fastcache:kv_offload_cpu_evictions"] == removals, (metrics, removals)
+    assert metrics["fastcache:kv_offload_cpu_used_perc"] == len(held) / 6, metrics
     hits = per_round(report["external_hits"])
     assert 0 < hits[1] < SHARED_BLOCKS * BLOCK_TOKENS, hits
     if fault:

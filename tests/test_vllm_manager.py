@@ -5,6 +5,7 @@ installed; FASTCACHE_REQUIRE_VLLM=1 makes a missing vLLM a failure."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -43,14 +44,15 @@ def world(request):
 
 
 @contextlib.contextmanager
-def manager_world(scopes=(None,) * RANKS, **kwargs):
+def manager_world(scopes=(None,) * RANKS, chunks=CHUNKS, **kwargs):
     """world's manager and land(), the manager made with these arguments (store=, policy=, ...); scopes: each
-    rank's reset scope, as its worker writes it into its link."""
+    rank's reset scope, as its worker writes it into its link; chunks: the CPU tier's."""
     from fastcache.integrations.vllm.link import ManagerLinks, WorkerLink
     from fastcache.integrations.vllm.manager import FastcacheManager
     engine = f"test-manager-{os.getpid()}-{next(_engines)}"
-    workers = [WorkerLink(engine, r, LINK_SPEC, CHUNKS, "ns", scopes[r]) for r in range(RANKS)]
-    manager = FastcacheManager(CHUNKS, 1, ManagerLinks(engine, RANKS, wait=1), RANKS, **kwargs)
+    spec = dataclasses.replace(LINK_SPEC, num_cpu_blocks=chunks)
+    workers = [WorkerLink(engine, r, spec, chunks, "ns", scopes[r]) for r in range(RANKS)]
+    manager = FastcacheManager(chunks, 1, ManagerLinks(engine, RANKS, wait=1), RANKS, **kwargs)
 
     def land(spec, ranks=range(RANKS), only=None):
         chunks, stamps = spec.block_ids, spec.stamps
@@ -237,6 +239,83 @@ def test_kv_events_announce_what_the_cpu_tier_holds_once_stamped_and_what_it_los
     assert events_of(manager) == []
 
 
+def stats_of(manager) -> dict:
+    """get_stats() as {metric name: value} (one label set each)."""
+    data = manager.get_stats().data["data"]
+    return {name: values[()] for name, values in data.items()}
+
+
+def test_stats_count_chunks_in_flight_evictions_and_drops_as_a_scan_of_the_entries_would(monkeypatch):
+    """get_stats (vLLM's Prometheus metrics): the shares of chunks pinned by stores in flight, by loads and
+    fetches in flight, and held, kept as counts as the calls go, equal a scan of the entries after every call
+    of a random sequence (stores that land, land on one rank only, or fail; loads of held keys; L3 fetches
+    that land, fail, or find no chunk; resets). The counters equal what left the entries: ready ones (only an
+    eviction takes them), and ones in flight with a chunk (dropped unstamped); they start from 0 again after
+    each get_stats."""
+    from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics as M
+    from fastcache.integrations.vllm.manager import DROPPED, EVICTIONS, NO_CHUNK, READY, STORING, USED
+    chunks = 8
+    with manager_world(chunks=chunks, policy="lru") as (manager, land):
+        manager._store_url = "file:///unused"
+        in_store = set()
+        monkeypatch.setattr(manager, "_in_store", lambda k: k in in_store)
+        rng = random.Random(7)
+        loads, stores = [], []          # prepared, not yet completed
+        counted = {EVICTIONS: 0, DROPPED: 0}
+        seen = {"fetch": 0, "no_chunk": 0, EVICTIONS: 0, "store dropped": 0, "fetch dropped": 0, "reset": 0}
+        for step in range(600):
+            entries = manager._entries
+            ready = {k for k, e in entries.items() if e.state == READY}
+            flying = {k for k, e in entries.items() if e.state != READY and e.chunk != NO_CHUNK}
+            op = rng.random()
+            if op < 0.35:
+                out = manager.prepare_store([key(rng.randrange(24)) for _ in range(rng.randint(1, 3))], None)
+                if out is not None:
+                    stores.append(out)
+            elif op < 0.6 and stores:
+                out = stores.pop(rng.randrange(len(stores)))
+                fate = rng.random()
+                if fate < 0.8:
+                    land(out.store_spec, ranks=[0, 1] if fate < 0.6 else [0])     # rank 1's copy may not land
+                manager.complete_store(out.keys_to_store, None, success=fate < 0.9)
+                seen["store dropped"] += len(flying - entries.keys())
+            elif op < 0.75:
+                in_store.update(key(rng.randrange(24, 40)) for _ in range(2))
+                keys = rng.sample(sorted(ready), min(len(ready), rng.randint(0, 2))) + \
+                    [k for k in sorted(in_store) if k not in entries][:rng.randint(0, 2)]
+                if keys:
+                    spec = manager.prepare_load(keys, None)
+                    loads.append((keys, spec))
+                    seen["fetch"] += bool(spec.fetch.any())
+                    seen["no_chunk"] += bool((spec.block_ids == NO_CHUNK).any())
+            elif op < 0.95 and loads:
+                keys, spec = loads.pop(rng.randrange(len(loads)))
+                land(spec, only=np.array([rng.random() < 0.7 for _ in keys]))
+                manager.complete_load(keys, None)
+                seen["fetch dropped"] += len(flying - entries.keys())
+            elif op >= 0.97:                # vLLM completes no job of before a reset
+                manager.reset_cache()
+                seen["reset"] += bool(loads or stores)
+                loads.clear()
+                stores.clear()
+            if op < 0.97:                   # what left: evictions and drops (a reset takes everything)
+                for name, before in ((EVICTIONS, ready), (DROPPED, flying)):
+                    counted[name] += len(before - entries.keys())
+                seen[EVICTIONS] += len(ready - entries.keys())
+            writing = sum(e.state == STORING for e in entries.values())
+            reading = sum(e.pins > 0 and e.chunk != NO_CHUNK for e in entries.values())
+            assert (manager._writing, manager._reading) == (writing, reading), step
+            if step % 10 == 9:
+                stats = stats_of(manager)
+                assert stats[M.CPU_CACHE_WRITE_USAGE_PERC] == writing / chunks
+                assert stats[M.CPU_CACHE_READ_USAGE_PERC] == reading / chunks
+                assert stats[M.CPU_CACHE_USAGE_PERC] == (writing + reading) / chunks
+                assert stats[USED] == sum(e.chunk != NO_CHUNK for e in entries.values()) / chunks
+                assert {name: stats[name] for name in counted} == counted, step
+                counted = dict.fromkeys(counted, 0)
+        assert min(seen.values()) >= 5, seen    # fetches, fetches with no chunk, evictions and both drops happened
+
+
 def test_reset_drops_everything_and_moves_l3_to_a_new_generation(world):
     manager, land = world
     stored(manager, land, 1, 2)
@@ -247,7 +326,6 @@ def test_reset_drops_everything_and_moves_l3_to_a_new_generation(world):
     assert hits(manager, 1, 2, 3) == [False, False, False]
     assert manager.generation == 1 and len(manager._free) == CHUNKS
     assert manager.prepare_store([key(4)], None).store_spec.generation == 1
-
 
 
 def test_a_request_running_across_a_reset_stores_nothing_after_it(world):

@@ -63,6 +63,14 @@ def remove_dist_segments(idents) -> list[str]:
     return removed
 
 
+def fastcache_metrics() -> dict:
+    """The connector's own metrics (FastcacheOffloadingSpec's), from this process's Prometheus registry, where vLLM
+    registered them; LLM.get_metrics() lists only vllm:* names."""
+    from prometheus_client import REGISTRY
+    return {metric.name: sum(s.value for s in metric.samples if s.name in (metric.name, metric.name + "_total"))
+            for metric in REGISTRY.collect() if metric.name.startswith("fastcache:")}
+
+
 def transfer_managers():
     import psutil
     return [p for p in psutil.Process().children(recursive=True)
@@ -223,6 +231,8 @@ def run_engine(args, scratch, tiny, model, kv, report, events):
             metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
             report["external_hits"].append(metrics.get("vllm:external_prefix_cache_hits"))
             report["load_bytes"].append(metrics.get("vllm:kv_offload_load_bytes"))
+            report["metrics"] = {**{name: value for name, value in metrics.items() if "kv_offload" in name},
+                                 **fastcache_metrics()}
             if args.update_seed is not None and rnd == 0:
                 # a trainer's new weights, read by vLLM's own loader into the running engine
                 update = write_checkpoint(os.path.join(scratch, f"seed{args.update_seed}"), args.update_seed)

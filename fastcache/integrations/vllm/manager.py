@@ -20,6 +20,10 @@ TieredCache's rules, in vLLM's terms (docs/design.md §8, §10):
   worker rank stamped it (a store, or an L3 fetch into a chunk), never at prepare_store, and removed when an
   announced entry goes (an eviction); a failed store or fetch was never announced and announces nothing. A
   reset announces nothing (vLLM's reset_prefix_cache clears every medium's blocks in one event of its own).
+- Metrics (get_stats, vLLM's Prometheus metrics of the connector; docs/design.md §10): vLLM's CPU cache gauges
+  (the share of chunks pinned by stores in flight, by loads and fetches in flight, and both), the share of
+  chunks holding an entry, and counters of evictions and of stores and fetches dropped because they did not
+  land on every rank. Kept as counts as the calls go: get_stats runs every scheduler step.
 - L3 (optional): a key missing from the CPU tier but held by the store for every rank is a hit; its load
   first fetches it into a chunk (the worker runs the fetch, then the swap-in). The manager asks the store
   through the engine's bounded client in a child process (store/remote.py), never a store client of its
@@ -34,8 +38,11 @@ import logging
 import time
 
 import numpy as np
-from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingEvent, OffloadingManager, PrepareStoreOutput,
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (LookupResult, Medium, OffloadingCounterMetadata, OffloadingEvent,
+                                     OffloadingGaugeMetadata, OffloadingManager, PrepareStoreOutput,
                                      RequestOffloadingContext)
+from vllm.v1.kv_offload.cpu.common import CPUOffloadingMetrics
 
 from ...eviction import DEFAULT_POLICY, make_policy
 from ...store.keys import ObjectKeys, fingerprint
@@ -49,6 +56,21 @@ log = logging.getLogger("fastcache.vllm")
 STORING, READY, FETCHING = "storing", "ready", "fetching"
 NO_CHUNK = -1               # a load's L3 hit no chunk could take: the worker fails its blocks (vLLM recomputes)
 STORE_BACKOFF = 10.0        # seconds a failed or silent store is not asked (every lookup a miss meanwhile)
+USED = "fastcache:kv_offload_cpu_used_perc"
+EVICTIONS = "fastcache:kv_offload_cpu_evictions"
+DROPPED = "fastcache:kv_offload_cpu_dropped"
+METRICS = {     # what get_stats reports: FastcacheOffloadingSpec.build_metric_definitions gives vLLM these
+    CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC: OffloadingGaugeMetadata(
+        "Share of the CPU tier's chunks pinned by stores, loads and L3 fetches in flight (1.0: every chunk)."),
+    CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC: OffloadingGaugeMetadata(
+        "Share of the CPU tier's chunks pinned by stores in flight."),
+    CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC: OffloadingGaugeMetadata(
+        "Share of the CPU tier's chunks pinned by loads and L3 fetches in flight."),
+    USED: OffloadingGaugeMetadata("Share of the CPU tier's chunks holding an entry (stored, or on its way)."),
+    EVICTIONS: OffloadingCounterMetadata("Entries the CPU tier evicted to make room."),
+    DROPPED: OffloadingCounterMetadata(
+        "Stores and L3 fetches dropped because their copy did not land on every worker rank (fail closed)."),
+}
 
 
 class Born:
@@ -81,6 +103,8 @@ class FastcacheManager(OffloadingManager):
         self._store_timeout = store_timeout
         self._store_aside_until = 0.0           # monotonic time before which the store is not asked
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._writing = self._reading = 0       # chunks of entries being stored; of entries a load pins
+        self._evicted = self._dropped = 0       # since the last get_stats
 
     # -- lookups ---------------------------------------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
@@ -108,6 +132,8 @@ class FastcacheManager(OffloadingManager):
                 fetch.append(True)
             else:
                 fetch.append(False)
+            if not entry.pins and entry.chunk != NO_CHUNK:
+                self._reading += 1
             entry.pins += 1
             chunks.append(entry.chunk)
             stamps.append(entry.stamp)
@@ -137,7 +163,12 @@ class FastcacheManager(OffloadingManager):
         for key in keys:
             entry = self._entries[key]
             entry.pins -= 1
-            if entry.state == FETCHING and entry.pins == 0:
+            if entry.pins:
+                continue
+            placed = entry.chunk != NO_CHUNK
+            self._reading -= placed
+            if entry.state == FETCHING:         # its fetch did not land on every rank (or, with no chunk, never ran)
+                self._dropped += placed
                 self._drop(key)
 
     # -- stores ----------------------------------------------------------------------------------
@@ -159,6 +190,7 @@ class FastcacheManager(OffloadingManager):
                 evicted.append(key)
                 self._drop(key, evicted=True)
         chunks, stamps = [], []
+        self._writing += len(new)
         for key in new:
             entry = self._entries[key] = Entry(self._free.pop(), STORING, self._new_stamp())
             chunks.append(entry.chunk)
@@ -172,12 +204,26 @@ class FastcacheManager(OffloadingManager):
     def complete_store(self, keys, req_context, success: bool = True):
         pending = [k for k in keys if k in self._entries and self._entries[k].state == STORING]
         ok = self._stamped(pending) if success else np.zeros(len(pending), dtype=bool)
+        self._writing -= len(pending)
         for key, good in zip(pending, ok):
             if good:
                 self._entries[key].state = READY
                 self._announce(key, removed=False)
             else:
+                self._dropped += 1
                 self._drop(key)
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        """The gauges now and the counters since the last call (METRICS)."""
+        stats, n = OffloadingConnectorStats(), self.num_chunks
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, (self._writing + self._reading) / n)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_WRITE_USAGE_PERC, self._writing / n)
+        stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_READ_USAGE_PERC, self._reading / n)
+        stats.set_gauge(USED, (n - len(self._free)) / n)
+        stats.increase_counter(EVICTIONS, self._evicted)
+        stats.increase_counter(DROPPED, self._dropped)
+        self._evicted = self._dropped = 0
+        return stats
 
     def take_events(self):
         """The CPU tier's stores and removals since the last call, in order (none unless events are enabled)."""
@@ -198,6 +244,7 @@ class FastcacheManager(OffloadingManager):
         self._entries.clear()
         self._policy.clear()
         self._free = list(range(self.num_chunks - 1, -1, -1))
+        self._writing = self._reading = 0
         self.generation += 1
         self._l3_keys = None
 
@@ -262,7 +309,9 @@ class FastcacheManager(OffloadingManager):
     def _drop(self, key, evicted: bool = False):
         """Remove an entry and free its chunk; the policy forgets it (a victim: already forgotten)."""
         entry = self._entries.pop(key)
-        if not evicted:
+        if evicted:
+            self._evicted += 1
+        else:
             self._policy.remove(key)
         if entry.state == READY:                # announced as stored: its removal is announced
             self._announce(key, removed=True)

@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import OffloadingSpec
 from .jobs import engine_scope
 from .lineage import LineageError, checkpoint_digest, default_namespace, process_start_ns
 from .link import ManagerLinks
-from .manager import FastcacheManager
+from .manager import METRICS, FastcacheManager
 from .options import VllmOptions
 from .worker import FastcacheWorker
 
@@ -35,6 +35,11 @@ log = logging.getLogger("fastcache.vllm")
 
 
 class FastcacheOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config):
+        """The metrics FastcacheManager.get_stats reports, for vLLM's Prometheus registry."""
+        return dict(METRICS)
+
     def __init__(self, config):
         super().__init__(config)
         self.options = VllmOptions.from_extra_config(dict(self.extra_config))
