@@ -17,7 +17,9 @@ pytest.importorskip("cuda.bindings.runtime")
 from fastcache import TransferError  # noqa: E402
 from fastcache.ipc import protocol  # noqa: E402
 from fastcache.ipc.protocol import FENCE_SLOTS, Fence  # noqa: E402
+from fastcache.ipc.shm import SharedSegment  # noqa: E402
 from fastcache.ipc.signal import EVENTS_FENCE  # noqa: E402
+from fastcache.ipc.task_ring import TaskRingReader, TaskRingWriter, inline, ring_name  # noqa: E402
 from fastcache.transfer.fences import TEST_NO_FENCE, FenceWaits  # noqa: E402
 from fastcache.transfer.manager import TransferManager  # noqa: E402
 from fastcache.transfer.scheduler import Scheduler  # noqa: E402
@@ -140,6 +142,55 @@ def test_a_load_behind_a_pending_zeroing_of_its_blocks_lands_after_it(lazy, monk
         else:
             assert all(not r.any() for r in device_rows(gpu, gpu_ids)), \
                 "without the fence's wait the late zeroing must wipe the load"
+
+
+@pytest.mark.parametrize("fenced", [True, False], ids=["fence", "no_fence"])
+def test_a_small_task_through_the_task_ring_carries_the_fence_the_worker_took(lazy, monkeypatch, fenced):
+    """A small swap (what vLLM's jobs are) goes to each rank as a task-ring record: at tp=2 with a fence taken on
+    rank 1 only, rank 1's record must carry that fence (its generation is the worker's export's: 62 random
+    bits) and its store read the late write; rank 0's record carries none. The wait removed is the negative
+    control."""
+    if not fenced:
+        monkeypatch.setenv(TEST_NO_FENCE, "1")
+    rng = np.random.default_rng(23)
+    with signals_of(tp=2) as (suffix, signals), rig(SPEC, "staged", seed=23) as (gpu, swap, copier):
+        ring = lazy.closing(FenceRing(signals, 1, suffix, 0, cuda=True))
+        waits = lazy.closing(FenceWaits(suffix, 1, 0))
+        gpu_ids, cpu_ids = rng.choice(100, 6, replace=False), rng.choice(128, 6, replace=False)
+        old = device_rows(gpu, gpu_ids)
+        written = [rng.integers(0, 256, r.shape, dtype=np.uint8) for r in old]
+        model = lazy.compute_stream()
+
+        def write():
+            for rows, new in zip(gpu, written):
+                rows[gpu_ids[gpu_ids < len(rows)]] = new
+        lazy.on_stream(model, write)
+        fence = ring.fence(model)
+        assert fence.rank == 1 and fence.generation >= 1 << 32, "the export's generation, as the worker makes it"
+        task = protocol.SmallTask(9, protocol.SWAP_TO_CPU, gpu_ids.tolist(), cpu_ids.tolist(), False, fence=[fence])
+        record = inline(*task.task)
+        token = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
+        got = {}
+        for rank in (0, 1):
+            writer = lazy.closing(TaskRingWriter.create(suffix, token, rank, 1))
+            reader = lazy.closing(TaskRingReader(SharedSegment.attach(ring_name(suffix, rank, 1), suffix), token,
+                                                 rank, 1))
+            assert writer.put(1, record)
+            (got[rank],), bad, malformed = reader.read(reader.head())
+            assert not bad and not malformed
+        assert got[0].header["fence"] == [] and got[1].header["fence"] == [fence]
+        tm = stand_in(copier, waits, rank=1)
+        TransferManager._on_task(tm, got[1].header, got[1].ids)
+        assert not tm.sent, tm.sent
+        (queued,) = tm.ready
+        assert queued.fence == fence
+        assert TransferManager._run(tm, queued)[0] is None
+        stored = tier_rows(swap, gpu_ids, cpu_ids)
+        lazy.cudaStreamSynchronize(model)
+        if fenced:
+            assert same(stored, written), "the store read blocks the model had not written yet"
+        else:
+            assert same(stored, old), "without the fence's wait the store must read the stale bytes"
 
 
 @pytest.mark.parametrize("chained", [True, False], ids=["chain", "no_chain"])

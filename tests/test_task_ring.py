@@ -50,7 +50,7 @@ def test_records_give_the_tasks_their_messages_give_bit_for_bit(ring):
     rng = np.random.default_rng(60)
     sent = []
     for n in range(3 * SLOTS):           # around the ring three times, each record read before its slot is reused
-        fence = [Fence(0, 5, 9), Fence(1, int(rng.integers(1, 1 << 31)), int(rng.integers(64)))] if n % 3 else []
+        fence = [Fence(0, 5, 9), Fence(1, int(rng.integers(1, 1 << 62)), int(rng.integers(64)))] if n % 3 else []
         args, extra = task_args(rng, int(rng.integers(1 << 62)), layerwise=bool(n % 2), fence=fence)
         record = inline(*args, **extra)
         assert writer.put(100 + n, record)

@@ -38,7 +38,8 @@ SLOTS = 256
 PUBLISH_EVERY = SLOTS // 2              # the reader publishes its count after this many records: the writer sees
 #                                         the ring full only with more than SLOTS - PUBLISH_EVERY records unread
 INLINE = 24                             # block ids of each side a record holds
-BODY = struct.Struct("<QQIHBBB3x")      # seq, task id, fence generation, count, kind, flags, fence slot
+BODY = struct.Struct("<QQQHBBB3x")      # seq, task id, fence generation (62 bits: cuda_events), count, kind,
+#                                         flags, fence slot
 RECORD_BYTES = 256                      # commit word, body, the ids, padding, MAC
 IDS_AT = 8 + BODY.size                  # the ids: count GPU ids, then count CPU ids (int32)
 MAC_AT = RECORD_BYTES - MAC_BYTES       # the MAC of the commit word, the body and the ids
