@@ -7,6 +7,7 @@ transfer manager's wait and, as its negative control, with the wait removed (FAS
 chain of a reused slot cut), asserting the stale bytes then.
 """
 import logging
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +28,7 @@ from fastcache.worker import CacheWorker  # noqa: E402
 from fastcache.worker.fences import FenceRing  # noqa: E402
 
 from conftest import cpu_image, deployment, randomize, small_spec  # noqa: E402
-from test_cuda_events import lazy, rig, signals_of  # noqa: E402,F401 (lazy: a fixture)
+from test_cuda_events import FakeStream, lazy, rig, signals_of  # noqa: E402,F401 (lazy: a fixture)
 
 SPEC = small_spec(num_gpu_blocks=160, num_cpu_blocks=128, num_layers=2, num_extra_layers=1, num_extra_gpu_blocks=100)
 METHODS = ["staged", "memcpy", "batch", "kernel"]
@@ -214,7 +215,7 @@ def test_a_slot_reused_on_another_stream_before_the_wait_only_makes_the_copy_wai
         lazy.on_stream(one, write)
         first = ring.fence(one)
         if not chained:
-            ring._streams = [None] * FENCE_SLOTS        # the mutation: the ring forgets where slots were recorded
+            ring._recorded = [False] * FENCE_SLOTS      # the mutation: the ring forgets which slots were recorded
         later = [ring.fence(two) for _ in range(FENCE_SLOTS)]
         assert later[-1].slot == first.slot and later[-1].generation == first.generation
         run_task(stand_in(copier, waits), protocol.SWAP_TO_CPU, gpu_ids, cpu_ids, [first])
@@ -224,6 +225,53 @@ def test_a_slot_reused_on_another_stream_before_the_wait_only_makes_the_copy_wai
             assert same(stored, written)
         else:
             assert same(stored, old), "a reused slot without the chain must let the copy run early"
+
+
+PER_THREAD = 2      # cudaStreamPerThread: one handle that names each host thread's own default stream
+
+
+def test_a_slot_reused_through_the_same_handle_on_another_thread_s_default_stream_only_makes_the_copy_wait_longer(
+        lazy, monkeypatch):
+    """One stream handle need not be one stream: cudaStreamPerThread names the calling thread's default stream
+    (and a destroyed stream's handle can come back for a new one). A model thread writes late on its default
+    stream and takes fence A; another thread takes FENCE_SLOTS fences on its own default stream through the
+    same handle, the last reusing A's slot, before the transfer manager queues A's wait. That record must
+    still complete only after A's: the store reads the write."""
+    mine = threading.local()
+    streams = lazy._stream
+
+    def resolve(stream):
+        if isinstance(stream, int) and stream == PER_THREAD:
+            if not hasattr(mine, "stream"):
+                mine.stream = FakeStream()
+            return mine.stream
+        return streams(stream)
+    monkeypatch.setattr(lazy, "_stream", resolve)
+    rng = np.random.default_rng(31)
+    with signals_of() as (suffix, signals), rig(SPEC, "memcpy", seed=31) as (gpu, swap, copier):
+        ring = lazy.closing(FenceRing(signals, 0, suffix, 0, cuda=True))
+        waits = lazy.closing(FenceWaits(suffix, 0, 0))
+        gpu_ids, cpu_ids = rng.choice(100, 8, replace=False), rng.choice(128, 8, replace=False)
+        written = [rng.integers(0, 256, r.shape, dtype=np.uint8) for r in device_rows(gpu, gpu_ids)]
+        model = {}
+
+        def model_thread():
+            def write():
+                for rows, new in zip(gpu, written):
+                    rows[gpu_ids[gpu_ids < len(rows)]] = new
+            lazy.on_stream(PER_THREAD, write)
+            model["fence"], model["stream"] = ring.fence(PER_THREAD), resolve(PER_THREAD)
+        thread = threading.Thread(target=model_thread)
+        thread.start()
+        thread.join(30)
+        first = model["fence"]
+        later = [ring.fence(PER_THREAD) for _ in range(FENCE_SLOTS)]     # this thread's own default stream
+        assert resolve(PER_THREAD) is not model["stream"]
+        assert later[-1].slot == first.slot and later[-1].generation == first.generation
+        run_task(stand_in(copier, waits), protocol.SWAP_TO_CPU, gpu_ids, cpu_ids, [first])
+        stored = tier_rows(swap, gpu_ids, cpu_ids)
+        lazy.cudaStreamSynchronize(model["stream"])
+        assert same(stored, written), "the store ran before the write its fence stands for"
 
 
 def test_no_record_during_capture_and_a_host_sync_where_interprocess_events_are_refused(lazy, monkeypatch, caplog):

@@ -8,11 +8,13 @@ the fence wrote and a load writes after it (a zeroing of its destination blocks 
 Slots are taken in turn, so a slot can be recorded again for a later fence before the transfer manager has
 queued its wait for the earlier one (the task waited behind others, or 64 fences were taken meanwhile). Its
 wait then captures the later record. That is safe because every record of a slot completes only after the
-slot's previous record did: on the same stream by stream order, and on another stream because that stream
-first waits on the slot's event (the "chain" below) before the record. So the later record covers everything
-the earlier one did, and a copy waiting on it can only wait longer, never shorter. The ring only keeps such
-longer waits rare. The chain cannot deadlock: like every cudaStreamWaitEvent it waits for a record already
-made (the one current at the call), so no wait can depend on work queued after it.
+slot's previous record did: the stream first waits on the slot's event (the "chain" below), whatever stream
+the previous record was on. A stream handle does not tell: cudaStreamPerThread names each host thread's own
+default stream, and a destroyed stream's handle can come back for a new one; on the one stream the wait is
+already met by stream order. So the later record covers everything the earlier one did, and a copy waiting on
+it can only wait longer, never shorter. The ring only keeps such longer waits rare. The chain cannot deadlock:
+like every cudaStreamWaitEvent it waits for a record already made (the one current at the call), so no wait can
+depend on work queued after it.
 
 No record while the stream is being captured into a CUDA graph (it would become a node of the graph, run at
 each launch instead of now); the work captured runs only when the graph is launched, so such a fence is None:
@@ -37,7 +39,7 @@ class FenceRing:
         self.signals, self.rank, self.suffix, self.device_id, self.cuda = signals, rank, suffix, device_id, cuda
         self._events = None             # ExportedEvents, made on the first fence
         self._refused = False           # the driver refused interprocess events: host syncs instead
-        self._streams = [None] * FENCE_SLOTS    # the stream each slot was last recorded on
+        self._recorded = [False] * FENCE_SLOTS  # the slots recorded since the export: the next record chains
         self._next = 0
         self._warned = set()
         self._lock = threading.Lock()
@@ -58,11 +60,10 @@ class FenceRing:
                 return None
             slot = self._next % FENCE_SLOTS
             self._next += 1
-            last = self._streams[slot]
-            if last is not None and last != pointer:
+            if self._recorded[slot]:
                 stream_wait(pointer, events.events[slot])     # the chain: this record covers the slot's last one
             record(events.events[slot], pointer)
-            self._streams[slot] = pointer
+            self._recorded[slot] = True
             return Fence(self.rank, events.generation, slot)
 
     def _export(self):
@@ -85,6 +86,6 @@ class FenceRing:
     def close(self):
         with self._lock:
             events, self._events = self._events, None
-            self._streams = [None] * FENCE_SLOTS
+            self._recorded = [False] * FENCE_SLOTS
         if events is not None:
             events.close()
