@@ -172,7 +172,10 @@ class StubBackend:
         self.signals = type("Signals", (), {"status": NORMAL})()
         self.running = True
 
-    def submit_checked_swap(self, kind, gpu, cpu):
+    def checked_fences(self, fence):
+        return []
+
+    def submit_checked_swap(self, kind, gpu, cpu, fences=()):
         return TransferHandle.completed(kind)
 
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from fastcache import CacheSpec, TieredCache, TransferError, TransferHandle
+from fastcache import CacheSpec, SwapBackend, TieredCache, TransferError, TransferHandle
 from fastcache.engine.allocator import CpuBlockAllocator
 from fastcache.eviction import DEFAULT_POLICY, POLICIES
 from fastcache.ipc import protocol
@@ -72,11 +72,16 @@ class FakeBackend:
         self.running = True
         self.store_url = None       # no L3 store
         self.tasks = []             # (handle, gpu ids, cpu ids)
+        self.fences = []            # each task's fences
         self.auto = False           # complete every task at once
 
-    def submit_checked_swap(self, kind, gpu, cpu):
+    tp_size = 2
+    checked_fences = SwapBackend.checked_fences         # the real check of a fence argument
+
+    def submit_checked_swap(self, kind, gpu, cpu, fences=()):
         handle = TransferHandle(len(self.tasks) + 1, kind, [0, 1], 100 * len(gpu))
         self.tasks.append((handle, list(gpu), list(cpu)))
+        self.fences.append(list(fences))
         if self.auto:
             finish(handle)
         return handle
@@ -95,6 +100,30 @@ def chain(start, n):
 
 
 # -- real deployments: the bytes -------------------------------------------------------------------
+@pytest.mark.parametrize("blocks", [2, 40])         # a task record of the ring, and one over the task pipe
+def test_a_fenced_store_and_load_send_their_fence_on_the_task_of_each_rank_it_names(blocks, monkeypatch):
+    """Through a real deployment at tp=2, TieredCache's fence reaches the task the transfer managers get (the
+    sim device's model writes are the host's, done before the call, so sim managers need no wait: the wait itself
+    is tests/test_fences.py's), and the bytes still round-trip."""
+    spec = small_spec(num_gpu_blocks=96, num_cpu_blocks=96)
+    with deployment(spec, tp=2) as (backend, workers):
+        sent = []
+        send = backend._channel.send_task
+        monkeypatch.setattr(backend._channel, "send_task", lambda handle, message: (sent.append(message.task[7]),
+                                                                                    send(handle, message))[1])
+        data = Bytes(spec, workers)
+        cache = TieredCache(backend, namespace="model/fenced")
+        prompt, src, dst = chain(100, blocks), chain(0, blocks), chain(blocks, blocks)
+        data.write(prompt, src)
+        fence = protocol.Fence(1, 0x5EED_0000_0000_0001, 63)     # a generation as wide as a worker's (62 bits)
+        cache.store(prompt, src, fence=fence).result(timeout=10)
+        data.scramble(dst, np.random.default_rng(2))
+        cache.load(prompt, dst, fence=[None, fence]).result(timeout=10)
+        assert data.bad(prompt, dst) == [[], []]
+        assert [list(f) for f in sent] == [[fence], [fence]]
+        cache.close()
+
+
 def test_store_lookup_load_round_trip_every_byte_on_every_rank():
     spec = small_spec(num_gpu_blocks=24, num_cpu_blocks=16)
     rng = np.random.default_rng(1)
@@ -398,12 +427,12 @@ def test_no_policy_takes_a_block_a_transfer_in_flight_uses(policy):
     rng, flying, stores = random.Random(3), [], 0
     submit = backend.submit_checked_swap
 
-    def checked_submit(kind, gpu, cpu):
+    def checked_submit(kind, gpu, cpu, fences=()):
         writes = kind == protocol.SWAP_TO_CPU
         busy = {b for h, _, ids in backend.tasks if not h.done() and (writes or h.kind == protocol.SWAP_TO_CPU)
                 for b in ids}
         assert not set(cpu) & busy, f"{kind} uses a CPU block a transfer in flight uses"
-        return submit(kind, gpu, cpu)
+        return submit(kind, gpu, cpu, fences)
     backend.submit_checked_swap = checked_submit
     for _ in range(600):
         op = rng.random()
@@ -579,6 +608,29 @@ def test_bad_requests_are_a_value_error_and_change_nothing(call, message):
         call(cache)
     assert cache.stats() == before and len(backend.tasks) == 1 and backend.allocator.num_free == free
     assert cache.lookup([1]) == 1 and not any(e[PINS] for e in cache._index.values())
+
+
+def test_a_store_and_a_load_carry_their_fence_to_the_swap_and_a_bad_fence_changes_nothing():
+    """An engine that queues its forward asynchronously passes TieredCache the fence its worker took
+    (CacheWorker.fence(stream)), as it would to swap_out and swap_in: the copy then waits for the work queued
+    before it (docs/design.md §4). A fence that is not one of this deployment's is refused before the cache
+    changes."""
+    backend = FakeBackend()
+    backend.auto = True
+    cache = TieredCache(backend, "ns")
+    fence = protocol.Fence(1, 0x5EED, 3)
+    cache.store([1, 2], [4, 5], fence=fence)
+    cache.load([1, 2], [6, 7], fence=[None, fence])
+    cache.store([3], [8])
+    assert backend.fences == [[fence], [fence], []]
+    before, free = cache.stats(), backend.allocator.num_free
+    for bad, message in ((protocol.Fence(2, 1, 0), "not a fence of a rank"), ("fence", "what CacheWorker.fence"),
+                         ([fence, fence], "two fences for one rank")):
+        with pytest.raises(ValueError, match=message):
+            cache.store([9], [9], fence=bad)
+        with pytest.raises(ValueError, match=message):
+            cache.load([1], [9], fence=bad)
+    assert cache.stats() == before and len(backend.tasks) == 3 and backend.allocator.num_free == free
 
 
 def test_bad_capacity_and_a_quota_larger_than_what_is_free():

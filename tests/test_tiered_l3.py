@@ -678,8 +678,8 @@ def test_a_load_whose_hashes_finish_storing_as_it_starts_loads_them_while_the_st
         assert cache.stats()["l3_errors"] == 1
         swap, held = backend.submit_checked_swap, []
 
-        def held_out(kind, gpu, cpu):               # the swap-out runs; its handle completes when the test says
-            real = swap(kind, gpu, cpu)
+        def held_out(kind, gpu, cpu, fences=()):    # the swap-out runs; its handle completes when the test says
+            real = swap(kind, gpu, cpu, fences)
             if kind != protocol.SWAP_TO_CPU:
                 return real
             held.append((real, TransferHandle(real.task_id, kind, range(2), real.nbytes)))

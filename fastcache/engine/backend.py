@@ -213,7 +213,7 @@ class SwapBackend:
         return self._submit(protocol.SWAP_TO_GPU, gpu_block_ids, cpu_block_ids, fence, layerwise=layerwise)
 
     def _submit(self, kind, gpu_block_ids, cpu_block_ids, fence=None, layerwise: bool = False) -> TransferHandle:
-        fences = self._fences(fence) if fence is not None else ()
+        fences = self.checked_fences(fence)
         self._submissions.enter("swap")         # the status before the geometry the ids are checked against
         try:
             spec = self.spec
@@ -232,8 +232,9 @@ class SwapBackend:
         if not self._started or self._closed or self.signals.status != NORMAL:
             self._check_can_submit(what)
 
-    def _fences(self, fence) -> list:
-        """fence as a list of Fences, distinct ranks of this deployment; ValueError otherwise."""
+    def checked_fences(self, fence) -> list:
+        """fence (as swap_out's: a Fence, a list of them with None entries, or None) as a list of Fences of
+        distinct ranks of this deployment; ValueError otherwise."""
         if fence is None:
             return []
         items = [fence] if isinstance(fence, protocol.Fence) else list(fence) if isinstance(fence, (list, tuple)) \
@@ -250,14 +251,14 @@ class SwapBackend:
             raise ValueError("two fences for one rank")
         return items
 
-    def submit_checked_swap(self, kind, gpu_ids: list[int], cpu_ids: list[int]) -> TransferHandle:
-        """A swap of ids the caller has already checked as _validate does. TieredCache checks each request
-        before it touches its index and names only CPU blocks it owns, so its swaps skip a second check
-        (each transfer manager still checks every task it receives)."""
+    def submit_checked_swap(self, kind, gpu_ids: list[int], cpu_ids: list[int], fences=()) -> TransferHandle:
+        """A swap of ids (and fences, from checked_fences) the caller has already checked as _validate does.
+        TieredCache checks each request before it touches its index and names only CPU blocks it owns, so its
+        swaps skip a second check (each transfer manager still checks every task it receives)."""
         if len(gpu_ids) <= SMALL_IDS:
-            return self._submit_ids(kind, list(map(int, gpu_ids)), list(map(int, cpu_ids)))
+            return self._submit_ids(kind, list(map(int, gpu_ids)), list(map(int, cpu_ids)), fence=fences)
         wire = wire_dtype(self.spec)
-        return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire))
+        return self._submit_ids(kind, np.array(gpu_ids, wire), np.array(cpu_ids, wire), fence=fences)
 
     def _submit_ids(self, kind, gpu_ids, cpu_ids, layerwise: bool = False, fence=()) -> TransferHandle:
         """gpu_ids, cpu_ids: checked ids, as wire-dtype arrays or (a small task) lists of Python ints."""

@@ -155,12 +155,14 @@ class TieredCache(L3Tier):
         counts["l3_hits"] += from_l3
         counts["misses"] += asked - n
 
-    def store(self, hashes, gpu_block_ids) -> TransferHandle:
+    def store(self, hashes, gpu_block_ids, fence=None) -> TransferHandle:
         """Copy GPU blocks into the CPU tier under their hashes. Hashes already held (or being stored)
         are skipped and refreshed; a hash listed twice is stored once. When every CPU block is in use by
         a transfer, the hashes that do not fit are skipped (counted as store_full). Returns the swap's
-        handle (an already completed one when nothing had to move)."""
+        handle (an already completed one when nothing had to move). fence: as SwapBackend.swap_out's (what
+        CacheWorker.fence(stream) returned): the copy reads the blocks after the work queued before it."""
         keys, gpu = self._validate(hashes, gpu_block_ids, "store")
+        fences = self.backend.checked_fences(fence)     # before the index changes: bad input loses nothing
         with self._lock:
             self._check_usable()
             batch = self._place(keys, gpu)
@@ -172,7 +174,7 @@ class TieredCache(L3Tier):
                 return TransferHandle.completed(protocol.SWAP_TO_CPU)
             new, new_gpu, blocks, entries, _ = batch
             try:
-                handle = self.backend.submit_checked_swap(protocol.SWAP_TO_CPU, new_gpu, blocks)
+                handle = self.backend.submit_checked_swap(protocol.SWAP_TO_CPU, new_gpu, blocks, fences)
             except BaseException:
                 with self._lock:
                     for key, entry in zip(new, entries):
@@ -186,16 +188,18 @@ class TieredCache(L3Tier):
         handle.add_done_callback(lambda h: self._stored(h, batch))
         return handle
 
-    def load(self, hashes, gpu_block_ids) -> TransferHandle:
+    def load(self, hashes, gpu_block_ids, fence=None) -> TransferHandle:
         """Copy held blocks to GPU blocks. Every hash must be held (see lookup), else ValueError and
-        nothing moves; the entries are pinned against eviction until the handle completes."""
+        nothing moves; the entries are pinned against eviction until the handle completes. fence: as
+        SwapBackend.swap_in's: the copy writes the blocks after the work queued before it."""
         keys, gpu = self._validate(hashes, gpu_block_ids, "load")
+        fences = self.backend.checked_fences(fence)
         if len(set(gpu)) != len(gpu):
             raise ValueError("duplicate destination gpu block ids")
         if not keys:
             return TransferHandle.completed(protocol.SWAP_TO_GPU)
         if self._l3 and not self._l2_holds(keys):
-            handle = self._load_l3(keys, gpu)           # store hits come up through the CPU tier
+            handle = self._load_l3(keys, gpu, fences)   # store hits come up through the CPU tier
             if handle is not None:
                 return handle
         with self._lock:
@@ -212,7 +216,7 @@ class TieredCache(L3Tier):
             batch = (keys, entries, self._drops)
             self._busy += 1
         try:
-            handle = self.backend.submit_checked_swap(protocol.SWAP_TO_GPU, gpu, list(map(_block, entries)))
+            handle = self.backend.submit_checked_swap(protocol.SWAP_TO_GPU, gpu, list(map(_block, entries)), fences)
         except BaseException:
             with self._lock:
                 for key, entry in zip(keys, entries):

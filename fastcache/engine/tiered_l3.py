@@ -244,17 +244,17 @@ class L3Tier:
         return run, from_l3
 
     # -- load through the store ----------------------------------------------------------------------
-    def _load_l3(self, keys, gpu):
+    def _load_l3(self, keys, gpu, fences=()):
         """load() when some hashes are not in the CPU tier: fetch them from the store first. Returns None
         when the CPU tier turns out to hold them all (the caller then loads as usual)."""
         with self._lock:
             self._busy += 1                 # see TieredCache._busy
         try:
-            return self._fetch_and_load(keys, gpu)
+            return self._fetch_and_load(keys, gpu, fences)
         finally:
             self._end()
 
-    def _fetch_and_load(self, keys, gpu):
+    def _fetch_and_load(self, keys, gpu, fences):
         with self._lock:
             self._check_usable()
             namespace = self._namespace
@@ -316,7 +316,7 @@ class L3Tier:
             self._l3_undo(batch)
             raise
         try:
-            swap = self.backend.submit_checked_swap(protocol.SWAP_TO_GPU, gpu, [e[BLOCK] for e in entries])
+            swap = self.backend.submit_checked_swap(protocol.SWAP_TO_GPU, gpu, [e[BLOCK] for e in entries], fences)
         except BaseException:
             fetched.add_done_callback(lambda _: self._l3_undo(batch))     # not before the fetch is over
             raise
