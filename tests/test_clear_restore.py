@@ -280,3 +280,56 @@ def test_transfer_managers_really_unmap_the_cache_on_clear():
         assert mapped_cache_segments(os.getpid()) == []         # the in-process workers let go too
         backend.restore_caches(timeout=30)
         assert all(mapped_cache_segments(pid) for pid in backend.transfer_pids)
+
+
+def test_a_clear_that_timed_out_on_a_task_in_flight_frees_nothing_under_it_when_retried(monkeypatch, tmp_path):
+    """A clear times out draining a swap still copying: the worker, already at the clear's barrier, must not
+    take the retry's barrier reset for the clear passing and free its cache while that swap still reads it
+    (the retry drains it first, then the transfer managers let go, then the worker frees)."""
+    from fastcache.ipc.barrier import ENGINE_PARTY
+    from fastcache.transfer.manager import TEST_SWAP_OUT_GATE
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
+    monkeypatch.setenv("FASTCACHE_INLINE_BYTES", "0")
+    rng = np.random.default_rng(12)
+    gate.touch()
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        want = [cpu_image(w, [5, 7]) for w in workers]
+        barrier = backend.barrier
+        gate.unlink()                                   # swap-outs wait from here on
+        retry = None
+        try:
+            held = backend.swap_out([5, 7], [2, 3])
+            with pytest.raises(TransferError, match="timed out waiting for task"):
+                backend.clear_caches(timeout=0.5)
+            assert backend.status == CLEARING and not held.done()
+            epoch = barrier.epoch
+            errors = []
+
+            def clear_again():
+                try:
+                    backend.clear_caches(timeout=30)
+                except BaseException as exc:        # reported below
+                    errors.append(exc)
+            retry = threading.Thread(target=clear_again)
+            retry.start()
+            # the retry has reset the barrier and every worker has arrived for it: the clear waits for the swap
+            wait_for(lambda: barrier.epoch > epoch and all(
+                barrier.generation(w.party) > barrier.generation(ENGINE_PARTY) for w in workers), 30,
+                "the workers at the retried clear's barrier")
+            assert not held.done()
+            assert all(w.ready for w in workers) and backend.signals.cache_ready[:2].all(), \
+                "a worker freed its cache under a swap still in flight"
+        finally:
+            gate.touch()
+            if retry is not None:
+                retry.join()
+        held.result(timeout=10)
+        assert not errors, errors
+        assert backend.status == CLEARED
+        for r in range(2):
+            np.testing.assert_array_equal(backend.cpu_tier(r)[[2, 3]], want[r])
+        backend.restore_caches(timeout=30)
+        round_trip(backend, workers, rng)

@@ -9,6 +9,7 @@ through the drain, run_phase and wait_signals here (engine/reshard_host.py).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -95,13 +96,14 @@ class Phases:
             deadline = time.monotonic() + timeout
             self._barrier().reset()
             signals.status = CLEARING               # refuses new swaps from here on
-            self.drain(deadline)
-            if level == 1:
-                try:
-                    self._weights.save_resident(deadline)
-                except BaseException:
-                    signals.status = NORMAL         # nothing was freed: the deployment serves on
-                    raise
+            with self._before_barrier():
+                self.drain(deadline)
+                if level == 1:
+                    try:
+                        self._weights.save_resident(deadline)
+                    except BaseException:
+                        signals.status = NORMAL     # nothing was freed: the deployment serves on
+                        raise
             signals.sleep_level[0] = level          # workers and transfer managers let go of the weights too
             self._clear_phase(deadline)
 
@@ -139,7 +141,8 @@ class Phases:
             deadline = time.monotonic() + timeout
             self._barrier().reset()
             signals.status = CLEARING                   # refuses new swaps from here on
-            self.drain(deadline)                        # a clear never pulls memory from under a copy
+            with self._before_barrier():
+                self.drain(deadline)                    # a clear never pulls memory from under a copy
             self._clear_phase(deadline)
 
     def _clear_phase(self, deadline):
@@ -148,8 +151,9 @@ class Phases:
         # a cache call past its checks (or a write-through put queued) may hold CPU blocks it has yet to submit
         # a put of: it is refused now, but one held up past the allocator's reset and a restore would read a
         # block the reset gave to someone else; so wait for none to be left, then for what they sent
-        self._caches_quiet(deadline)
-        self.drain(deadline)
+        with self._before_barrier():
+            self._caches_quiet(deadline)
+            self.drain(deadline)
         release = self._settings.clear_swap_space
         self.run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
         weights = bool(signals.sleep_level[0]) and self._weights.layout is not None
@@ -186,6 +190,18 @@ class Phases:
         self.wait_signals(self.all_ready, deadline, what)
 
     # -- what every phase does -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _before_barrier(self):
+        """A step of a clear or sleep between publishing CLEARING and meeting the others at the barrier. The workers
+        follow the status and may wait at the barrier already: if the step fails, the engine breaks that
+        generation, so they keep their caches; a retry's reset would otherwise let them through it, freeing the
+        cache under a copy the retry is still draining."""
+        try:
+            yield
+        except BaseException:
+            self._barrier().abort(ENGINE_PARTY)
+            raise
+
     def drain(self, deadline):
         """Until every task in flight has finished (or failed): a phase never pulls memory from under a copy."""
         for handle in self._channel.pending_handles():
