@@ -333,3 +333,53 @@ def test_a_clear_that_timed_out_on_a_task_in_flight_frees_nothing_under_it_when_
             np.testing.assert_array_equal(backend.cpu_tier(r)[[2, 3]], want[r])
         backend.restore_caches(timeout=30)
         round_trip(backend, workers, rng)
+
+
+def test_a_swap_that_read_normal_before_a_clear_is_not_sent_after_the_restore():
+    """A swap-in past its status check is held before it is sent while a clear and a restore run: the clear must
+    wait for it (and drain it) before it frees anything. Sent after the restore, it copied a CPU block the clear
+    had freed (KV of the old weights) into the new cache, and its handle succeeded."""
+    rng = np.random.default_rng(13)
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        cpu = backend.allocate_cpu_blocks(1)
+        backend.swap_out([3], cpu).result(timeout=10)
+        old_kv = [cpu_image(w, [3]) for w in workers]
+        gate = backend._submissions
+        real_send, real_wait = backend._send_task, gate.wait_idle
+        held, at_gate, out = threading.Event(), threading.Event(), []
+
+        def held_send(handle, message):
+            held.set()
+            at_gate.wait(60)
+            return real_send(handle, message)
+
+        def wait_idle(timeout):
+            if gate.held:           # the submission holds the gate: the clear waits for it
+                at_gate.set()
+            return real_wait(timeout)
+        backend._send_task, gate.wait_idle = held_send, wait_idle
+
+        def submit():
+            try:
+                out.append(backend.swap_in([4], cpu).result(timeout=30))
+            except Exception as exc:        # noqa: BLE001 -- asserted below
+                out.append(exc)
+        thread = threading.Thread(target=submit)
+        thread.start()
+        try:
+            assert held.wait(30)
+            backend.clear_caches(timeout=30)
+            backend.restore_caches(timeout=30)
+            for w in workers:
+                randomize(w, rng)           # the new cache's own bytes
+            fresh = [cpu_image(w, [4]) for w in workers]
+        finally:
+            at_gate.set()
+            thread.join(60)
+            backend._send_task, gate.wait_idle = real_send, real_wait
+        assert len(out) == 1, out
+        for r, w in enumerate(workers):
+            assert not np.array_equal(cpu_image(w, [4]), old_kv[r]), f"rank {r}: KV from before the clear served"
+            np.testing.assert_array_equal(cpu_image(w, [4]), fresh[r])

@@ -106,7 +106,8 @@ class SwapBackend:
         self._phases = Phases(                      # docs/design.md §6, §11 (engine/phases.py)
             self.settings, lambda: self.signals, lambda: self.barrier, lambda: self.tp_size, lambda: self.spec,
             self._ranks, self._channel, self._weights, self._tiers, self.allocator, lambda: self._resharder.pending,
-            lambda deadline: self._resharder.wait_caches_quiet(deadline, "clear"))
+            lambda deadline: self._resharder.wait_caches_quiet(deadline, "clear"),
+            lambda deadline: self._submissions.wait_idle(deadline - time.monotonic()))
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
         self._ready_view: ReadyView | None = None      # the signals _new_task reads, made on the first task

@@ -29,15 +29,17 @@ class Phases:
     exist once it has started; a reshard changes the tp); ranks is its RankSupervisor, channel its TaskChannel,
     weights its WeightGroup, tiers its CpuTiers, allocator its CpuBlockAllocator; spec() gives the spec now (the
     CPU tiers a restore re-creates), reshard_pending() the reshard step left pending, if any (no clear or
-    sleep then), caches_quiet(deadline) waits until no TieredCache call holds CPU blocks it has yet to submit."""
+    sleep then), caches_quiet(deadline) waits until no TieredCache call holds CPU blocks it has yet to submit,
+    submissions_idle(deadline) until no swap past its status check is still to be sent (False at the deadline)."""
 
     def __init__(self, settings, signals: Callable, barrier: Callable, tp_size: Callable[[], int],
                  spec: Callable, ranks, channel, weights, tiers, allocator, reshard_pending: Callable,
-                 caches_quiet: Callable[[float], None]):
+                 caches_quiet: Callable[[float], None], submissions_idle: Callable[[float], bool]):
         self._settings = settings
         self._signals, self._barrier, self._tp_size, self._spec = signals, barrier, tp_size, spec
         self._ranks, self._channel, self._weights, self._tiers = ranks, channel, weights, tiers
         self._allocator, self._reshard_pending, self._caches_quiet = allocator, reshard_pending, caches_quiet
+        self._submissions_idle = submissions_idle
         self.lock = threading.Lock()            # one phase (or reshard) at a time
 
     # -- readiness -------------------------------------------------------------------------------
@@ -97,7 +99,7 @@ class Phases:
             self._barrier().reset()
             signals.status = CLEARING               # refuses new swaps from here on
             with self._before_barrier():
-                self.drain(deadline)
+                self.drain(deadline, "sleep")
                 if level == 1:
                     try:
                         self._weights.save_resident(deadline)
@@ -142,7 +144,7 @@ class Phases:
             self._barrier().reset()
             signals.status = CLEARING                   # refuses new swaps from here on
             with self._before_barrier():
-                self.drain(deadline)                    # a clear never pulls memory from under a copy
+                self.drain(deadline, "clear")           # a clear never pulls memory from under a copy
             self._clear_phase(deadline)
 
     def _clear_phase(self, deadline):
@@ -202,15 +204,19 @@ class Phases:
             self._barrier().abort(ENGINE_PARTY)
             raise
 
-    def drain(self, deadline):
-        """Until every task in flight has finished (or failed): a phase never pulls memory from under a copy."""
+    def drain(self, deadline, what="clear"):
+        """Until every task in flight has finished (or failed): a phase never pulls memory from under a copy. A swap
+        past its status check but not yet sent is in flight too: sent after the phase (a restore), it would copy
+        blocks the phase freed."""
+        if not self._submissions_idle(deadline):
+            raise TransferError(f"{what} timed out waiting for a swap being submitted")
         for handle in self._channel.pending_handles():
             try:
                 handle.result(max(0.0, deadline - time.monotonic()))
             except TransferError:
                 pass                                    # its owner sees the failure
             except TimeoutError:
-                raise TransferError(f"clear timed out waiting for task {handle.task_id} in flight") from None
+                raise TransferError(f"{what} timed out waiting for task {handle.task_id} in flight") from None
 
     def run_phase(self, phase, message, deadline):
         """Send a phase to every transfer manager, meet everyone at the barrier, collect the acks."""

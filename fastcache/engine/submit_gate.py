@@ -1,4 +1,5 @@
-"""Submissions a phase that changes the geometry must wait for (docs/design.md §9).
+"""Submissions a phase that changes the geometry (docs/design.md §9) or frees the cache (a clear or sleep, §6)
+must wait for.
 
 A swap reads the deployment's status first, then its geometry (to check its ids), then sends.
 A submission holds the gate from before it reads the status until its task is sent (so in flight, which a
