@@ -383,3 +383,43 @@ def test_a_swap_that_read_normal_before_a_clear_is_not_sent_after_the_restore():
         for r, w in enumerate(workers):
             assert not np.array_equal(cpu_image(w, [4]), old_kv[r]), f"rank {r}: KV from before the clear served"
             np.testing.assert_array_equal(cpu_image(w, [4]), fresh[r])
+
+
+def test_a_clear_the_backend_closes_under_fails_as_closed_and_phases_after_close_are_refused(monkeypatch, tmp_path):
+    """close() while a clear drains a swap on another thread: the clear fails with a TransferError saying the
+    backend was closed (not whatever broke first as close tore the sockets, barrier and signals down), and every
+    phase called after close is refused as a swap is."""
+    from fastcache.transfer.manager import TEST_SWAP_OUT_GATE
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
+    monkeypatch.setenv("FASTCACHE_INLINE_BYTES", "0")
+    gate.touch()
+    out = []
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        randomize(workers[0], np.random.default_rng(14))
+        gate.unlink()                                   # swap-outs wait from here on
+        backend.swap_out([5], [2])
+
+        def clear():
+            try:
+                backend.clear_caches(timeout=30)
+                out.append(None)
+            except Exception as exc:        # noqa: BLE001 -- asserted below
+                out.append(exc)
+        phase = threading.Thread(target=clear)
+        phase.start()
+        closing = threading.Thread(target=backend.close)
+        try:
+            wait_for(lambda: backend.status == CLEARING, 10, "the clear under way")
+            closing.start()
+            wait_for(lambda: not backend.running, 10, "the close under way")
+        finally:
+            gate.touch()
+            if closing.ident is not None:
+                closing.join(60)
+            phase.join(60)
+        assert not phase.is_alive() and len(out) == 1
+        assert isinstance(out[0], TransferError) and "closed" in str(out[0]), repr(out[0])
+    for call in (backend.clear_caches, backend.restore_caches, backend.sleep, backend.wake):
+        with pytest.raises(TransferError, match="not running"):
+            call(timeout=1)

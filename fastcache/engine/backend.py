@@ -107,7 +107,7 @@ class SwapBackend:
             self.settings, lambda: self.signals, lambda: self.barrier, lambda: self.tp_size, lambda: self.spec,
             self._ranks, self._channel, self._weights, self._tiers, self.allocator, lambda: self._resharder.pending,
             lambda deadline: self._resharder.wait_caches_quiet(deadline, "clear"),
-            lambda deadline: self._submissions.wait_idle(deadline - time.monotonic()))
+            lambda deadline: self._submissions.wait_idle(deadline - time.monotonic()), lambda: self.running)
         self._started = self._closed = False
         self.signals = self.barrier = self._reaper = None
         self._ready_view: ReadyView | None = None      # the signals _new_task reads, made on the first task

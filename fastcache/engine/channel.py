@@ -133,7 +133,9 @@ class TaskChannel:
                 epoll, self._epoll = self._epoll, None
             self.doorbells.close()
             epoll.close()
-        for sock in [self._router] + self._task_pushes:
+        with self._submit_lock:     # a thread submitting (a task or a phase's command) may be sending on them
+            pushes, self._task_pushes = self._task_pushes, [None] * len(self._task_pushes)
+        for sock in [self._router] + pushes:
             if sock is not None:
                 sock.close(0)
         if self._context is not None:

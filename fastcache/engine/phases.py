@@ -30,16 +30,18 @@ class Phases:
     weights its WeightGroup, tiers its CpuTiers, allocator its CpuBlockAllocator; spec() gives the spec now (the
     CPU tiers a restore re-creates), reshard_pending() the reshard step left pending, if any (no clear or
     sleep then), caches_quiet(deadline) waits until no TieredCache call holds CPU blocks it has yet to submit,
-    submissions_idle(deadline) until no swap past its status check is still to be sent (False at the deadline)."""
+    submissions_idle(deadline) until no swap past its status check is still to be sent (False at the deadline),
+    running() says the backend is started and not closed."""
 
     def __init__(self, settings, signals: Callable, barrier: Callable, tp_size: Callable[[], int],
                  spec: Callable, ranks, channel, weights, tiers, allocator, reshard_pending: Callable,
-                 caches_quiet: Callable[[float], None], submissions_idle: Callable[[float], bool]):
+                 caches_quiet: Callable[[float], None], submissions_idle: Callable[[float], bool],
+                 running: Callable[[], bool]):
         self._settings = settings
         self._signals, self._barrier, self._tp_size, self._spec = signals, barrier, tp_size, spec
         self._ranks, self._channel, self._weights, self._tiers = ranks, channel, weights, tiers
         self._allocator, self._reshard_pending, self._caches_quiet = allocator, reshard_pending, caches_quiet
-        self._submissions_idle = submissions_idle
+        self._submissions_idle, self._running = submissions_idle, running
         self.lock = threading.Lock()            # one phase (or reshard) at a time
 
     # -- readiness -------------------------------------------------------------------------------
@@ -83,7 +85,7 @@ class Phases:
         """Free every rank's KV cache and weights (status CLEARED), level 1 saving the resident weights first."""
         if isinstance(level, bool) or level not in SLEEP_LEVELS:
             raise ValueError(f"level must be 1 or 2, got {level!r}")
-        with self.lock:
+        with self._serving(), self.lock:
             signals = self._signals()
             asleep, status = int(signals.sleep_level[0]), signals.status
             if asleep and asleep != level:
@@ -111,7 +113,7 @@ class Phases:
 
     def wake(self, timeout: float):
         """Re-create every rank's weights and KV cache (status NORMAL), after sleep(1) copying the weights back."""
-        with self.lock:
+        with self._serving(), self.lock:
             signals = self._signals()
             level, status = int(signals.sleep_level[0]), signals.status
             if not level:
@@ -132,7 +134,7 @@ class Phases:
     # -- clear / restore (docs/design.md §6) ---------------------------------------------------------------
     def clear(self, timeout: float):
         """Release every rank's cache memory (status CLEARED)."""
-        with self.lock:
+        with self._serving(), self.lock:
             signals = self._signals()
             if signals.status == CLEARED:
                 return
@@ -170,7 +172,7 @@ class Phases:
 
     def restore(self, timeout: float):
         """Re-create every rank's cache (status NORMAL once all ranks are ready again)."""
-        with self.lock:
+        with self._serving(), self.lock:
             signals = self._signals()
             if signals.status == NORMAL:
                 return
@@ -192,6 +194,20 @@ class Phases:
         self.wait_signals(self.all_ready, deadline, what)
 
     # -- what every phase does -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _serving(self):
+        """A phase of a running backend: refused as a swap is when it is not running, and failed as closed when
+        close() (on another thread) tears down under it what it was using (the pipes, the barrier, the signals)."""
+        if not self._running():
+            raise TransferError("the backend is not running")
+        try:
+            yield
+        except Exception as exc:
+            if not self._running():
+                raise TransferError(f"the backend was closed during the phase ({type(exc).__name__}: {exc})") \
+                    from exc
+            raise
+
     @contextlib.contextmanager
     def _before_barrier(self):
         """A step of a clear or sleep between publishing CLEARING and meeting the others at the barrier. The workers
