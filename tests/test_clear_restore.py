@@ -423,3 +423,59 @@ def test_a_clear_the_backend_closes_under_fails_as_closed_and_phases_after_close
     for call in (backend.clear_caches, backend.restore_caches, backend.sleep, backend.wake):
         with pytest.raises(TransferError, match="not running"):
             call(timeout=1)
+
+
+def test_a_sleep_that_failed_saving_the_weights_leaves_no_worker_to_free_its_cache_at_the_next_clear(tmp_path,
+                                                                                                     monkeypatch):
+    """A sleep fails after publishing CLEARING (saving the weights failed), with the workers already at its
+    barrier, and the deployment serves on: the next clear's barrier reset must not let them through that old
+    generation to free their caches under a swap the clear is still draining."""
+    from fastcache.ipc.barrier import ENGINE_PARTY
+    from fastcache.transfer.manager import TEST_SWAP_OUT_GATE
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
+    monkeypatch.setenv("FASTCACHE_INLINE_BYTES", "0")
+    rng = np.random.default_rng(15)
+    gate.touch()
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        barrier = backend.barrier
+
+        def failing_save(deadline):
+            wait_for(lambda: all(barrier.generation(w.party) > barrier.generation(ENGINE_PARTY) for w in workers),
+                     10, "the workers at the sleep's barrier")
+            raise TransferError("injected: the resident weights could not be saved")
+        monkeypatch.setattr(backend._weights, "save_resident", failing_save)
+        with pytest.raises(TransferError, match="injected"):
+            backend.sleep(1, timeout=30)
+        assert backend.status == NORMAL and not backend.asleep
+        for w in workers:
+            randomize(w, rng)
+        want = [cpu_image(w, [6]) for w in workers]
+        gate.unlink()                                   # swap-outs wait from here on
+        clear, errors = None, []
+        try:
+            held = backend.swap_out([6], [1])
+            epoch = barrier.epoch
+
+            def clear_caches():
+                try:
+                    backend.clear_caches(timeout=30)
+                except BaseException as exc:        # reported below
+                    errors.append(exc)
+            clear = threading.Thread(target=clear_caches)
+            clear.start()
+            wait_for(lambda: barrier.epoch > epoch and all(
+                barrier.generation(w.party) > barrier.generation(ENGINE_PARTY) for w in workers), 30,
+                "the workers at the clear's barrier")
+            assert not held.done()
+            assert all(w.ready for w in workers), "a worker freed its cache under a swap still in flight"
+        finally:
+            gate.touch()
+            if clear is not None:
+                clear.join()
+        held.result(timeout=10)
+        assert not errors, errors
+        for r in range(2):
+            np.testing.assert_array_equal(backend.cpu_tier(r)[[1]], want[r])
+        backend.restore_caches(timeout=30)
+        round_trip(backend, workers, rng)
