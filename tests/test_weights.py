@@ -481,3 +481,30 @@ def test_a_streamed_layer_read_after_a_later_one_is_refused_and_the_forward_goes
         with weights.forward(handle.task_id, timeout=30) as f:
             assert all(same(f.layer(layer), layer) for layer in range(LAYERS))
         handle.result(timeout=30)
+
+
+def test_a_second_forward_over_a_stream_is_refused_never_served_the_ring_s_later_layers():
+    """A forward over a stream that already had one (a retry after the model raised, say) would read layer l
+    from slot l % k, refilled with a later layer once the first forward left: it is refused as stale, and the
+    next stream serves every layer right."""
+    with weights_deployment(weights=MODEL, offload_fraction=0.5) as (backend, (worker,)):
+        weights = loaded(worker, seed=9)
+        layout = backend.weight_layout
+        assert len(layout.streamed_layers) > layout.ring_slots      # the ring is refilled within a pass
+        x = model_input(4, BATCH, HIDDEN)
+        want = reference(9, 0, x, LAYERS, HIDDEN).tobytes()
+        handle = backend.stream_weights()
+        with pytest.raises(RuntimeError, match="the model failed"):
+            with weights.forward(handle.task_id, timeout=30) as f:
+                f.layer(layout.resident_layers)         # the first streamed layer, then the model raises
+                raise RuntimeError("the model failed")
+        handle.result(timeout=30)                       # every layer streamed: the ring holds the last ones
+        with pytest.raises(ValueError, match="stale"):
+            with weights.forward(handle.task_id, timeout=30) as f:
+                got = f.layer(layout.resident_layers)
+                right = layer_weights(9, 0, layout.resident_layers, HIDDEN)
+                assert got["w"].tobytes() == right["w"].tobytes(), "served another layer's bytes"
+        handle = backend.stream_weights()
+        with weights.forward(handle.task_id, timeout=30) as f:
+            assert forward(x.copy(), f.layer, LAYERS).tobytes() == want
+        handle.result(timeout=30)

@@ -179,12 +179,17 @@ class Forward:
 
     def _check_newest(self):
         """A forward over a later stream has begun: the transfer manager then fills the ring for that one, and
-        an older stream's layers are no longer where this forward would read them."""
+        an older stream's layers are no longer where this forward would read them. Nor are this stream's once a
+        forward over it has begun: the slots of its first layers hold later ones (or the next stream's)."""
         began = int(self.signals.weight_ring[self.rank, 0])
         if began > self.task_id:
             raise ValueError(f"rank {self.rank}: a forward over weight stream {began} has begun, so stream "
                              f"{self.task_id} is stale (its slots hold the later stream's layers); run each "
                              f"stream's forward in the order stream_weights() returned them")
+        if began == self.task_id:
+            raise ValueError(f"rank {self.rank}: a forward over weight stream {self.task_id} has begun already, so "
+                             f"the stream is stale (its slots were refilled past its first layers); each stream "
+                             f"serves one forward: call stream_weights() for another")
 
     def __exit__(self, *exc):
         if self.weights.layout.streamed_layers:
