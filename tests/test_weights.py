@@ -508,3 +508,27 @@ def test_a_second_forward_over_a_stream_is_refused_never_served_the_ring_s_later
         with weights.forward(handle.task_id, timeout=30) as f:
             assert forward(x.copy(), f.layer, LAYERS).tobytes() == want
         handle.result(timeout=30)
+
+
+def test_a_sleep_that_timed_out_waiting_for_a_task_in_flight_can_be_called_again():
+    """A stream in flight whose forward has not begun holds the ring, so a sleep's drain times out: nothing was
+    freed, the deployment serves on, and once the forward has read the stream the same sleep again succeeds."""
+    with weights_deployment(weights=MODEL, offload_fraction=0.5) as (backend, (worker,)):
+        weights = loaded(worker, seed=11)
+        layout = backend.weight_layout
+        assert len(layout.streamed_layers) > layout.ring_slots      # the stream waits for the forward
+        handle = backend.stream_weights()
+        with pytest.raises(TransferError, match="timed out"):
+            backend.sleep(1, timeout=0.2)
+        assert backend.asleep == 0 and len(weight_segments(backend.suffix)) == 1     # nothing freed
+        x = model_input(5, BATCH, HIDDEN)
+        with weights.forward(handle.task_id, timeout=30) as f:
+            assert forward(x.copy(), f.layer, LAYERS).tobytes() == reference(11, 0, x, LAYERS, HIDDEN).tobytes()
+        handle.result(timeout=30)
+        backend.sleep(1, timeout=30)
+        assert backend.status == CLEARED and backend.asleep == 1 and weight_segments(backend.suffix) == []
+        backend.wake(timeout=30)
+        handle = backend.stream_weights()
+        with weights.forward(handle.task_id, timeout=30) as f:
+            assert forward(x.copy(), f.layer, LAYERS).tobytes() == reference(11, 0, x, LAYERS, HIDDEN).tobytes()
+        handle.result(timeout=30)

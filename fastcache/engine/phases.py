@@ -101,13 +101,14 @@ class Phases:
             self._barrier().reset()
             signals.status = CLEARING               # refuses new swaps from here on
             with self._before_barrier():
-                self.drain(deadline, "sleep")
-                if level == 1:
-                    try:
+                try:
+                    self.drain(deadline, "sleep")
+                    if level == 1:
                         self._weights.save_resident(deadline)
-                    except BaseException:
-                        signals.status = NORMAL     # nothing was freed: the deployment serves on
-                        raise
+                except BaseException:
+                    if not asleep:  # nothing was freed: the deployment serves on, and the same call again sleeps
+                        signals.status = NORMAL
+                    raise
             signals.sleep_level[0] = level          # workers and transfer managers let go of the weights too
             self._clear_phase(deadline)
 
