@@ -349,3 +349,45 @@ def test_a_handle_released_twice_frees_only_its_own_slot():
     with pytest.raises(RefusedError, match="in flight"):
         slots.claim(claims, [0], ids)
     assert int(claims[0, later % LAYER_SLOTS, 0]) == later
+
+
+def test_a_handle_s_wait_answers_from_its_reports_once_a_later_task_has_its_slot(monkeypatch, tmp_path):
+    """63 layer-by-layer swap-ins held behind a swap-out hold every slot but task A's. A's ranks report (its
+    slot is free from then on) while its done callback still runs, and a later task takes the slot: A's own
+    wait for a layer returns, as its reports say every layer is in place, instead of raising the ValueError
+    meant for a task id that names no layer-by-layer task."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
+    monkeypatch.setenv("FASTCACHE_INLINE_BYTES", "0")       # every task on an executor: a held one holds no other
+    rng = np.random.default_rng(58)
+    gate.touch()
+    with deployment(SPEC, tp=1) as (backend, workers):
+        dst, cpu, want = prepared(backend, workers, rng, n=4)
+        others = [g for g in range(SPEC.num_gpu_blocks) if g not in set(dst.tolist())]
+        spare = backend.allocate_cpu_blocks(2)
+        entered, go = threading.Event(), threading.Event()
+
+        def callback(_):
+            entered.set()
+            go.wait(60)
+        gate.unlink()                                   # swap-outs wait from here on
+        try:
+            held = backend.swap_out(others[:1], spare[:1])
+            behind = [backend.swap_in(others[:1], spare[1:], layerwise=True) for _ in range(LAYER_SLOTS - 1)]
+            a = backend.swap_in(dst, cpu, layerwise=True)
+            a.add_done_callback(callback)
+            assert entered.wait(30), "task A did not finish"
+            later = backend.swap_in(others[1:2], spare[1:], layerwise=True)
+            assert later.task_id % LAYER_SLOTS == a.task_id % LAYER_SLOTS     # the only slot free
+            assert not a.done()                         # its callback runs
+            assert a.wait_layer(SPEC.num_layers - 1, timeout=30) is a
+        finally:
+            go.set()
+            gate.touch()
+        a.result(timeout=30)
+        for layer in range(SPEC.num_layers):
+            for g, e in zip(layer_rows(workers[0], dst)[layer], want[0][layer]):
+                np.testing.assert_array_equal(g, e)
+        for handle in [held, *behind, later]:
+            handle.result(timeout=30)
+        round_trip(backend, workers, rng)

@@ -201,9 +201,14 @@ class TransferHandle(Completion):
                 self.result()
             raise
         except ValueError:
-            if self.done():         # finished, and its slot serves a later task already: the handle knows
-                return self.result()
-            raise
+            # its slot serves a later task: it is freed once every rank has reported (done callbacks may still
+            # run), and then the reports are the answer
+            with self._lock:
+                if self._pending:
+                    raise
+                error = self.error
+            if error:
+                raise TransferError(error) from None
         return self
 
     @property
