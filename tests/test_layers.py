@@ -391,3 +391,30 @@ def test_a_handle_s_wait_answers_from_its_reports_once_a_later_task_has_its_slot
         for handle in [held, *behind, later]:
             handle.result(timeout=30)
         round_trip(backend, workers, rng)
+
+
+def test_a_wait_for_a_task_from_before_a_clear_is_refused_after_the_restore():
+    """The clear frees the cache and the restore makes new tensors, so a layer-by-layer swap-in from before the
+    clear has nothing in place any more: a worker's wait for it is refused (ValueError), never answered as in
+    place, and a swap-in after the restore is waited for and lands as before."""
+    rng = np.random.default_rng(59)
+    with deployment(SPEC, tp=2) as (backend, workers):
+        dst, cpu, want = prepared(backend, workers, rng, n=3)
+        before = backend.swap_in(dst, cpu, layerwise=True)
+        before.result(timeout=30)
+        for w in workers:
+            w.wait_layer(before.task_id, SPEC.num_layers - 1, timeout=30)
+        backend.clear_caches(timeout=30)
+        backend.restore_caches(timeout=30)
+        for w in workers:
+            with pytest.raises(ValueError, match="not a layer-by-layer task"):
+                w.wait_layer(before.task_id, 0, timeout=5)
+        round_trip(backend, workers, rng)
+        dst, cpu, want = prepared(backend, workers, rng, n=3)
+        after = backend.swap_in(dst, cpu, layerwise=True)
+        for w, expected in zip(workers, want):
+            w.wait_layer(after.task_id, SPEC.num_layers - 1, timeout=30)
+            for layer in range(SPEC.num_layers):
+                for g, e in zip(layer_rows(w, dst)[layer], expected[layer]):
+                    np.testing.assert_array_equal(g, e)
+        after.result(timeout=30)

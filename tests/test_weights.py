@@ -532,3 +532,28 @@ def test_a_sleep_that_timed_out_waiting_for_a_task_in_flight_can_be_called_again
         with weights.forward(handle.task_id, timeout=30) as f:
             assert forward(x.copy(), f.layer, LAYERS).tobytes() == reference(11, 0, x, LAYERS, HIDDEN).tobytes()
         handle.result(timeout=30)
+
+
+def test_a_forward_over_a_stream_from_before_a_sleep_is_refused_after_the_wake():
+    """A ring as large as the stream: the stream lands without its forward. A sleep frees the ring and the wake
+    allocates it anew, so that stream's layers are no longer in it: a forward over it is refused (never served
+    the new ring's bytes as those layers), and a stream after the wake serves every layer right."""
+    with weights_deployment(weights=MODEL, offload_fraction=0.5, ring_slots=4) as (backend, (worker,)):
+        weights = loaded(worker, seed=12)
+        layout = backend.weight_layout
+        assert len(layout.streamed_layers) == layout.ring_slots
+        x = model_input(6, BATCH, HIDDEN)
+        want = reference(12, 0, x, LAYERS, HIDDEN).tobytes()
+        before = backend.stream_weights()
+        before.result(timeout=30)                   # in the ring, with no forward yet
+        backend.sleep(1, timeout=30)
+        backend.wake(timeout=30)
+        with pytest.raises(ValueError):
+            with weights.forward(before.task_id, timeout=30) as f:
+                got = f.layer(layout.resident_layers)
+                right = layer_weights(12, 0, layout.resident_layers, HIDDEN)
+                assert got["w"].tobytes() == right["w"].tobytes(), "served the new ring's bytes as the layer"
+        handle = backend.stream_weights()
+        with weights.forward(handle.task_id, timeout=30) as f:
+            assert forward(x.copy(), f.layer, LAYERS).tobytes() == want
+        handle.result(timeout=30)

@@ -17,6 +17,7 @@ from typing import Callable
 from ..errors import TransferError
 from ..ipc import protocol
 from ..ipc.barrier import ENGINE_PARTY, BrokenBarrierError
+from ..ipc.layers import SlotClaims
 from ..ipc.signal import CLEARED, CLEARING, NORMAL, STATUS_NAMES, UPDATING
 
 SLEEP_LEVELS = (1, 2)       # 1: the resident weights are saved to the CPU regions first; 2: nothing is saved
@@ -159,6 +160,10 @@ class Phases:
         with self._before_barrier():
             self._caches_quiet(deadline)
             self.drain(deadline)
+        # every layer-by-layer task is over (drained), and its layers go with the memory: a wait for one of them
+        # is refused from here on, never answered as in place in the restored cache (or the woken weights' ring)
+        for claims in ("layer_claims", "weight_claims") if signals.sleep_level[0] else ("layer_claims",):
+            SlotClaims.open(signals.whole(claims))
         release = self._settings.clear_swap_space
         self.run_phase("clear", protocol.encode("clear", release_swap_space=release), deadline)
         weights = bool(signals.sleep_level[0]) and self._weights.layout is not None
