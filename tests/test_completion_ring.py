@@ -111,7 +111,7 @@ class Ranks:
 def test_a_record_whose_doorbell_was_never_rung_is_still_read(reader):
     suffix = f"test{os.getpid()}-{threading.get_ident() % 10_000}"
     socket_dir = tempfile.mkdtemp(prefix="fastcache-test-ring.")
-    signals = SimpleNamespace(task_received=np.zeros(1), transfer_heartbeat=np.zeros(1))
+    signals = SimpleNamespace(task_received=np.zeros(1), task_abandoned=np.zeros(1), transfer_heartbeat=np.zeros(1))
     channel = TaskChannel(bytes(range(16)), SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: None,
                           Ranks(), lambda: True)
     channel.start(socket_dir, 1, suffix)

@@ -182,6 +182,52 @@ def test_sigstop_of_a_transfer_manager_is_detected_by_heartbeat_then_restart_rec
         round_trip(backend, workers, rng)
 
 
+
+@pytest.mark.parametrize("task_ring", [True, False], ids=["ring", "pipe"])
+def test_a_task_failed_as_never_received_does_not_run_when_its_transfer_manager_reads_it_late(monkeypatch, tmp_path,
+                                                                                              task_ring):
+    """A transfer manager whose main loop is held up past the transfer timeout while its heartbeat thread beats on:
+    the engine fails the tasks it has not read (as if another process took them). Once the loop goes on it must not
+    run them: their blocks are the user's again, so a late swap-in would write stale KV over a reused GPU block and
+    a late swap-out over a freed CPU block."""
+    from fastcache.transfer.manager import TEST_STALL
+    stall = tmp_path / "stall"
+    fast_liveness(monkeypatch, transfer_timeout=1, task_ring=int(task_ring))
+    monkeypatch.setenv(TEST_STALL, str(stall))
+    rng = np.random.default_rng(37)
+    spec = small_spec()
+    with deployment(spec, tp=1) as (backend, [worker]):
+        randomize(worker, rng)
+        out_gpu, in_gpu, later_gpu = np.split(rng.choice(spec.num_gpu_blocks, 6, replace=False), 3)
+        out_cpu, in_cpu, later_cpu = np.split(rng.choice(spec.num_cpu_blocks, 6, replace=False), 3)
+        tier = backend.cpu_tier(0)
+        tier[np.concatenate([out_cpu, in_cpu])] = rng.integers(0, 256, (4, spec.cpu_block_bytes), dtype=np.uint8)
+        received = int(backend.signals.task_received[0])
+        stall.touch()
+        late = [backend.swap_out(out_gpu, out_cpu), backend.swap_in(in_gpu, in_cpu)]
+        for handle in late:
+            with pytest.raises(TransferError, match="did not receive the task"):
+                handle.result(timeout=10)
+        assert int(backend.signals.task_received[0]) == received, "the held-up loop read a task"
+        # the handles failed: the user writes into the blocks again
+        for rows in all_tensors(worker):
+            rows[in_gpu] = rng.integers(0, 256, rows[in_gpu].shape, dtype=np.uint8)
+        tier[out_cpu] = rng.integers(0, 256, (2, spec.cpu_block_bytes), dtype=np.uint8)
+        want_gpu, want_cpu = cpu_image(worker, in_gpu), tier[out_cpu].copy()
+        stall.unlink()
+        # tasks on the same blocks take effect after the late ones (submission order), so a late copy has landed
+        # by their end
+        backend.swap_out(in_gpu, later_cpu).result(timeout=10)
+        backend.swap_in(later_gpu, out_cpu).result(timeout=10)
+        np.testing.assert_array_equal(cpu_image(worker, in_gpu), want_gpu, err_msg="a late swap-in wrote the block")
+        np.testing.assert_array_equal(tier[out_cpu], want_cpu, err_msg="a late swap-out wrote the block")
+        np.testing.assert_array_equal(tier[later_cpu], want_gpu)
+        np.testing.assert_array_equal(cpu_image(worker, later_gpu), want_cpu)
+        round_trip(backend, [worker], rng)
+        backend.restart_rank(0, timeout=20)     # a new process numbers from 1 again: nothing of it is abandoned
+        round_trip(backend, [worker], rng)
+
+
 # -- worker process killed -------------------------------------------------------------------------
 def test_sigkill_of_a_worker_process_makes_its_transfer_manager_exit_and_the_engine_report_it(monkeypatch):
     worker_timeout = 1.5

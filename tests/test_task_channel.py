@@ -4,11 +4,13 @@ for the task sockets, exercise it without a deployment."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import zmq
 
+from fastcache.engine import channel as channel_module
 from fastcache.engine.channel import TaskChannel
 from fastcache.engine.handle import TransferHandle
 from fastcache.ipc import protocol
@@ -60,7 +62,9 @@ class Push:
 
 def channel_of(pushes, barrier=None):
     ranks = Ranks()
-    signals = SimpleNamespace(task_received=np.zeros(len(pushes)), transfer_heartbeat=np.zeros(len(pushes)))
+    tp = len(pushes)
+    signals = SimpleNamespace(task_received=np.zeros(tp, np.int64), task_abandoned=np.zeros(tp, np.int64),
+                              transfer_heartbeat=np.zeros(tp))
     channel = TaskChannel(TOKEN, SimpleNamespace(transfer_timeout=1.0), lambda: signals, lambda: barrier, ranks,
                           lambda: False)
     channel._task_pushes = list(pushes)     # as open_pipe binds them
@@ -149,3 +153,33 @@ def test_a_phase_command_is_watched_under_its_own_number_when_a_ping_goes_just_b
     channel.on_reply(reply(1, "lost", first=2, last=2))
     why = channel.end_phase_command()
     assert len(aborted) == 1 and why is not None and "1" in why
+
+
+def test_tasks_not_read_in_time_are_abandoned_first_and_fail_only_where_still_unread_after_the_pause(monkeypatch):
+    """A transfer manager that beats but has not read its tasks within the transfer timeout: the channel raises the
+    rank's task_abandoned to the highest such number (a manager that reads them later does not run them), then
+    fails only the tasks the rank has still not read. One the rank reads meanwhile (here during the pause) is left
+    to it: it may have run it before it could see the word, and reports either way."""
+    channel, _ = channel_of([Push(), Push()])
+    signals = channel._signals()
+    signals.transfer_heartbeat[:] = time.time()         # both ranks beat
+    handles = [channel.send_task(TransferHandle(task_id, protocol.SWAP_TO_CPU, range(2), 0), protocol.encode("ping"))
+               for task_id in (4, 5)]                   # numbers 1 and 2 on each rank
+    later = time.monotonic() + 2.0                      # past the 1 s transfer timeout
+
+    def rank_0_reads_the_first_meanwhile(seconds):
+        assert list(signals.task_abandoned) == [2, 2], "the word goes up before anything fails"
+        assert not any(h.done() or set(h.pending_ranks()) != {0, 1} for h in handles)
+        signals.task_received[0] = 1
+    monkeypatch.setattr(channel_module, "time", SimpleNamespace(monotonic=lambda: later, time=time.time,
+                                                                sleep=rank_0_reads_the_first_meanwhile))
+    channel._watch_unreceived()
+    first, second = handles
+    assert list(signals.task_abandoned) == [2, 2]
+    assert second.done() and "did not receive the task" in second.error
+    assert set(first.pending_ranks()) == {0}, "a task rank 0 read is its own to report"
+    channel._watch_unreceived()                         # nothing fails twice, nor the task left to rank 0
+    assert set(first.pending_ranks()) == {0}
+    channel.on_reply(reply(0, "failed", task_id=4, error="read after the engine had given up waiting for it"))
+    assert first.done() and "given up" in first.error and "did not receive" in first.error
+    assert channel.pending_handles() == []

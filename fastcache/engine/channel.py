@@ -56,6 +56,9 @@ PIPE_TIMEOUT = 2.0        # seconds a command waits for a registered transfer ma
 PING_AFTER = 0.1          # seconds a phase command may stay unread before its rank is sent a no-op behind it
 MAX_PINGS = 100           # per phase command: the phase's own timeout covers a rank that reads nothing at all
 EXIT_LOOK = 0.001         # seconds between send_all's looks at a process that has not read its tasks
+# seconds between raising a rank's task_abandoned and looking again at what it read: its store of task_received,
+# made before it looks at the word, is visible by then (a store buffer drains in nanoseconds); failure path only
+ABANDON_PAUSE = 0.002
 
 
 @dataclass
@@ -169,7 +172,8 @@ class TaskChannel:
             if task_ring is not None:
                 self._task_rings[rank] = task_ring
             self._sent_seq[rank], self._pipe_seq[rank], self._unreceived[rank] = 0, 0, {}
-            self._signals().task_received[rank] = 0
+            signals = self._signals()
+            signals.task_received[rank] = signals.task_abandoned[rank] = 0
         if old_ring is not None:
             old_ring.close()
         inherited = {"--doorbell_fd": self.doorbells.of(rank)}
@@ -282,7 +286,11 @@ class TaskChannel:
 
     def _watch_unreceived(self):
         """A task its transfer manager has not read within the transfer timeout fails on that rank (another
-        process of the user took it off the pipe, or the pipe is gone); so do tasks the rank reports lost."""
+        process of the user took it off the pipe, the pipe is gone, or the manager's loop is held up while its
+        heartbeat thread beats on); so do tasks the rank reports lost. A held-up manager may read such a task
+        later, when its blocks are the user's again: the rank's task_abandoned word, raised first, tells it not to
+        run it. A task the manager reads before it can see the word is its own to run or refuse (it reports
+        either way): so after ABANDON_PAUSE, only the tasks still unread fail."""
         now, limit = time.monotonic(), self._settings.transfer_timeout
         wall = time.time()
         late = []
@@ -295,15 +303,29 @@ class TaskChannel:
                     continue
                 received = int(signals.task_received[rank])
                 beating = wall - float(signals.transfer_heartbeat[rank]) < limit
+                seqs = []
                 for seq, (handle, sent) in list(pending.items()):
                     if not handle.waits_for(rank):
                         del pending[seq]
                     elif seq > received and now - sent > limit and beating:     # a silent one: heartbeats
-                        del pending[seq]
-                        late.append((handle, rank))
-        for handle, rank in late:
-            self._finish(handle, rank, f"its transfer manager did not receive the task within {limit:.0f} s "
-                                       f"(another process reading rank {rank}'s task pipe?)")
+                        seqs.append(seq)
+                if seqs:        # under the lock: open_pipe sets the word back to 0 for a new process
+                    signals.task_abandoned[rank] = max(int(signals.task_abandoned[rank]), max(seqs))
+                    late.append((rank, pending, seqs))
+        if not late:
+            return
+        time.sleep(ABANDON_PAUSE)
+        failed = []
+        with self._submit_lock:
+            for rank, pending, seqs in late:
+                if self._unreceived.get(rank) is not pending:   # a new process: restart_rank failed these
+                    continue
+                received = int(signals.task_received[rank])
+                failed += [(pending.pop(seq)[0], rank) for seq in seqs if seq > received and seq in pending]
+        for handle, rank in failed:
+            self._finish(handle, rank, f"its transfer manager did not receive the task within {limit:g} s "
+                                       f"(another process reading rank {rank}'s task pipe, or its loop held up?); "
+                                       f"it will not run it if it reads it later")
 
     def _lost_messages(self, rank, first, last):
         with self._submit_lock:

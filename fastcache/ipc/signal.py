@@ -89,6 +89,9 @@ SIGNALS = {
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
     "task_received": (lambda tp: (tp,), np.int64),      # the last message number each transfer manager read
+    # written by the engine only: per rank the highest message number it gave up waiting for that rank to read; a
+    # task numbered up to it is not run if read later (docs/design.md §4)
+    "task_abandoned": (lambda tp: (tp,), np.int64),
     # layer-by-layer swap-ins (ipc/layers.py): per rank and slot, [task id, layers in place, layers recorded]
     "layer_ready": (lambda tp: (tp, LAYER_SLOTS, 3), np.int64),
     # written by the engine only: per rank and slot [task id it claimed the slot for, outcome on that rank]

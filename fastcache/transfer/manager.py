@@ -12,7 +12,9 @@ Small swap tasks come through the process's task ring (ipc/task_ring.py), the re
 task pipe, in one numbering: on every wake-up (its doorbell, the pipe, or the bounded wait) it drains the pipe,
 then reads the ring, and takes what both hold in number order; a number missing below one it takes is lost
 (reported, as a message taken off the pipe), since the engine writes a record only once this process has
-read every message numbered below it, and a message is sent only after every record numbered below it.
+read every message numbered below it, and a message is sent only after every record numbered below it. A task
+numbered up to the engine's task_abandoned word for this rank was read too late (the engine failed it here) and is
+reported failed, not run (docs/design.md §4).
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class TransferManager:
         self.tasks, self.sock = connect_client(self.context, socket_dir, rank, incarnation)
         self.token = token                  # the deployment's: every message in and out is signed with it
         self.next_seq = 1                   # the engine numbers its messages to this process from 1
+        self.abandoned_logged = 0           # the task_abandoned value last logged
         self.unsigned_dropped = 0
         self.done_pull = self.context.socket(zmq.PULL)
         self.done_pull.bind(f"inproc://done{rank}")
@@ -104,6 +107,7 @@ class TransferManager:
         self.tasks_seen = self.attaches_tried = 0
         self.attach_error = None        # set when an attach failed; cleared by the next restore
         self.l3 = StoreIO(store, rank) if store else None      # L3 tasks (docs/design.md §8), one thread per direction
+        self.stall = os.environ.get(TEST_STALL)        # tests only: a main loop that reads its tasks late
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -284,6 +288,8 @@ class TransferManager:
         and then the task ring hold, in number order (see the module docstring). A message the pipe takes after
         the poll is numbered above every record in the ring (the engine writes one only once this process has
         read every message sent before), so it waits for the next wake-up."""
+        if self.stall:
+            stalled(self.stall)
         ring = self.task_ring
         head = ring.head() if ring is not None else None       # before the pipe: see _lost_below
         received = []
@@ -321,8 +327,12 @@ class TransferManager:
             return None                     # replayed: a signed message is read once
         self._lost_below(seq)
         self.next_seq = seq + 1
+        # the engine raises task_abandoned before it fails tasks not received, then looks at task_received again:
+        # the word is read after this store, so a task is either seen received there or seen abandoned here
         self.signals.task_received[self.rank] = seq
         if len(message) == 3:
+            if seq <= self.signals.task_abandoned[self.rank]:
+                return self._abandoned(message[1]["task_id"], seq)
             return self._on_task(message[1], message[2])
         try:
             header, ids = protocol.decode(message[1])
@@ -330,7 +340,21 @@ class TransferManager:
             log.warning("rank %d: malformed message: %s", self.rank, exc)
             self.send("error", error=str(exc)[:protocol.MAX_ERROR_CHARS])
             return None
+        if header["type"] in ("task", "store_task") and seq <= self.signals.task_abandoned[self.rank]:
+            return self._abandoned(header["task_id"], seq)
         return self._on_message(header, ids)
+
+    def _abandoned(self, task_id, seq):
+        """A task read after the engine gave up waiting for it (this loop was held up past the transfer timeout):
+        the engine failed it here, and its blocks may be the user's again, so it is not run. Reported failed, for
+        a handle the engine left waiting (it looked at task_received before this process had read the task)."""
+        if seq > self.abandoned_logged:
+            self.abandoned_logged = int(self.signals.task_abandoned[self.rank])
+            log.warning("rank %d: messages up to %d were read after the engine gave up waiting for them "
+                        "(FASTCACHE_TRANSFER_TIMEOUT); their tasks are not run", self.rank, self.abandoned_logged)
+        self.send("failed", task_id=task_id, rank=self.rank,
+                  error=f"the transfer manager read the task only after the engine had given up waiting for it "
+                        f"({self.settings.transfer_timeout:g} s): not run")
 
     def _lost_below(self, seq):
         """Messages from the next expected number to seq - 1 never arrived (another process took them off this
@@ -585,4 +609,13 @@ def gated():
     """In tests: hold a swap-out until the test opens the gate, so that tasks behind it are held for sure."""
     path = os.environ.get(TEST_SWAP_OUT_GATE)
     while path and not os.path.exists(path):
+        time.sleep(0.001)
+
+
+TEST_STALL = "FASTCACHE_TEST_STALL"     # PATH, tests only: while the file exists, the main loop reads no task
+
+
+def stalled(path):
+    """In tests: a main loop held up (its heartbeat thread beats on) until the test removes the file."""
+    while os.path.exists(path):
         time.sleep(0.001)
