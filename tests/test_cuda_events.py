@@ -586,3 +586,41 @@ def test_staged_chunks_split_over_two_copy_streams_land_whole_both_ways(lazy, mo
             assert np.array_equal(swap.rows[back, cols], rows[gpu_ids]), info.name
         others = np.setdiff1d(np.arange(spec.num_cpu_blocks), back)
         assert np.array_equal(swap.blocks[others], tier[others])
+
+
+def test_a_staged_task_that_fails_midway_leaves_nothing_queued_that_lands_after_a_later_task(lazy, monkeypatch):
+    """A chunked staged swap-out whose CUDA call fails at its second chunk has queued the first chunk's DMA on
+    the copy streams, which no later task's small path (one stream) waits for. The engine may give the failed
+    task's CPU blocks to the next store at once: that store reports done, and then the device runs what the
+    failed task left queued (streams run late). The failed task's stale DMA must not land on the later task's
+    blocks: the lane waits for what a failed task queued before it takes the next one."""
+    lazy.driver_version = 12080
+    spec = small_spec(num_gpu_blocks=40, num_cpu_blocks=64)
+    monkeypatch.setenv("FASTCACHE_STAGING_MB", str(4 * spec.cpu_block_stride / 2**20))     # 4-block chunks
+    rng = np.random.default_rng(17)
+    with rig(spec, "staged", seed=17) as (gpu, swap, copier):
+        for rows in gpu:
+            rows[...] = rng.integers(1, 255, rows.shape, dtype=np.uint8)
+        gpu_ids = rng.choice(40, 12, replace=False)
+        cpu_ids = 2 * rng.choice(32, 12, replace=False)      # none adjacent: both copy streams get runs
+        batch, calls = lazy.cudaMemcpyBatchAsync, []
+
+        def fails_third(*args):
+            calls.append(1)
+            if len(calls) == 3:                              # the second chunk's first half
+                return FakeRuntime.cudaError_t.cudaErrorInvalidValue, 0
+            return batch(*args)
+        monkeypatch.setattr(lazy, "cudaMemcpyBatchAsync", fails_third)
+        with pytest.raises(TransferError, match="cudaMemcpyBatchAsync"):
+            copier.swap_out(gpu_ids, cpu_ids)
+        monkeypatch.setattr(lazy, "cudaMemcpyBatchAsync", batch)
+        first_chunk = np.sort(cpu_ids)[:4]                   # staged in CPU-id order
+        later_gpu = np.setdiff1d(np.arange(40), gpu_ids)[:3]
+        later_cpu = first_chunk[1:]                          # staged one place off the failed task's
+        copier.swap_out(later_gpu, later_cpu)                # small: one stream, reported done
+        stored = np.concatenate([rows[later_gpu] for rows in gpu], axis=1)
+        assert np.array_equal(swap.rows[later_cpu], stored)
+        for stream in list(lazy.streams.values()):           # the device runs what is left queued
+            lazy.cudaStreamSynchronize(stream)
+        assert np.array_equal(swap.rows[later_cpu], stored), \
+            "the failed task's queued DMA overwrote a later store after that store was done"

@@ -112,12 +112,19 @@ class _CudaCopier(Copier):
         lane = self._lanes[to_host]
         with lane.lock:
             set_device(self.device_id)
-            if first is not None:
-                first(lane.stream)
-            if run is None:
-                self._run(lane, gpu, cpu, to_host)
-            else:
-                run(lane, gpu, cpu)
+            try:
+                if first is not None:
+                    first(lane.stream)
+                if run is None:
+                    self._run(lane, gpu, cpu, to_host)
+                else:
+                    run(lane, gpu, cpu)
+            except BaseException:
+                # what the task queued before the failure still runs, on streams the lane's next task need not
+                # wait on (a staged DMA reading a staging slot, writing the task's CPU blocks): let it finish
+                # first, or it lands on memory a later task wrote and reported done
+                lane.settle()
+                raise
 
     def _run_layers(self, lane, gpu, cpu, published, events, recorded):
         landed = Completions()

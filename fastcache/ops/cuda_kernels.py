@@ -210,6 +210,12 @@ class Lane:
             if stream is not None:
                 cuda_check(runtime.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
+    def settle(self):
+        """After a failed task: wait for whatever it queued, errors ignored (the task reports its own)."""
+        for stream in (self.stream, self.dma_stream, self.dma_stream2):
+            if stream is not None:
+                runtime.cudaStreamSynchronize(stream)
+
     def sync_stream(self):
         cuda_check(runtime.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
