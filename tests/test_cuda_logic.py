@@ -22,6 +22,7 @@ import fastcache.ops.cuda_kernels as kernels  # noqa: E402
 from cuda.bindings import runtime  # noqa: E402
 from fastcache.ipc.naming import new_suffix, segment_name  # noqa: E402
 from fastcache.ipc.shm import SharedSegment  # noqa: E402
+from fastcache.weight_spec import WeightSpec  # noqa: E402
 
 from conftest import small_spec, wait_for  # noqa: E402
 
@@ -432,6 +433,22 @@ def test_no_copy_spans_two_pinned_chunks(fake_cuda, monkeypatch, method):
         assert np.array_equal(swap.rows[cpu_ids], want)
         copier.swap_in(gpu_ids + 16, cpu_ids)
         assert np.array_equal(np.concatenate([rows[gpu_ids + 16] for rows in gpu], axis=1), want)
+
+
+@pytest.mark.parametrize("method", copiers.METHODS)
+def test_no_copy_spans_two_pinned_chunks_of_a_weight_region_either(fake_cuda, method):
+    """A weight group has no slot after its CPU blocks: with one tensor per layer, the rows of consecutive
+    layers are adjacent in the region and on the device, and merged rows must still stop at a chunk edge
+    (a sleep copies every resident layer, blocks 0..R-1 to CPU blocks 0..R-1)."""
+    layout = WeightSpec(12, (("w", (8, 96), "float16"),), resident_layers=12, ring_slots=1)
+    with fake_copier(layout, method, seed=9, chunk_bytes=8192) as (gpu, swap, copier):
+        assert layout.cpu_block_stride == layout.tensors()[0].block_bytes and len(fake_cuda.registered) > 1
+        layers = np.arange(12)
+        copier.swap_out(layers, layers)                 # check_pinned asserts on every copy
+        assert np.array_equal(swap.rows[layers], gpu[0][layers])
+        swap.blocks[...] = np.random.default_rng(9).integers(1, 256, swap.blocks.shape, dtype=np.uint8)
+        copier.swap_in(layers, layers)
+        assert np.array_equal(gpu[0][layers], swap.rows[layers])
 
 
 def test_a_small_staged_task_takes_one_stream_and_no_events(fake_cuda):

@@ -84,7 +84,7 @@ class _CudaCopier(Copier):
             for other in after:
                 stream_wait(lane.stream, other)
             dst, src, size = (a.tolist() for a in row_copies(
-                self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu, cpu, to_host=False))
+                self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu, cpu, False, self.swap.chunk_blocks))
             self._copies(dst, src, size, False, lane.stream)
             record(event, lane.stream)
         self._swap(gpu_ids, cpu_ids, to_host=False, run=run)
@@ -131,7 +131,7 @@ class _CudaCopier(Copier):
         for layer, tensors in self._by_layer:
             dst, src, size = (a.tolist() for a in row_copies(
                 [self.infos[i] for i in tensors], [self.pointers[i] for i in tensors], self.swap.host_ptr,
-                self.stride, gpu, cpu, to_host=False))
+                self.stride, gpu, cpu, False, self.swap.chunk_blocks))
             if size:                        # else a draft layer none of the task's blocks reach
                 self._copies(dst, src, size, False, lane.stream)
             record(events[layer], lane.stream)
@@ -383,19 +383,24 @@ class KernelCopier(_CudaCopier):
         self._kernel.close()
 
 
-def row_copies(infos, pointers, host_ptr, block_bytes, gpu_ids, cpu_ids, to_host):
-    """(dst, src, size) of every (tensor, block) row, tensor by tensor, rows adjacent on both sides merged."""
+def row_copies(infos, pointers, host_ptr, block_bytes, gpu_ids, cpu_ids, to_host, chunk_blocks=0):
+    """(dst, src, size) of every (tensor, block) row, tensor by tensor, rows adjacent on both sides merged,
+    except across a pinned chunk's edge (chunk_blocks), so that no copy spans two registered ranges (a weight
+    group has no slot between its CPU blocks: one tensor's rows of consecutive layers are adjacent)."""
     gpu_ids, cpu_ids = np.asarray(gpu_ids, np.int64), np.asarray(cpu_ids, np.int64)
-    gpu, cpu, size = [], [], []
+    gpu, cpu, size, block = [], [], [], []
     for info, ptr in zip(infos, pointers):
         keep = gpu_ids < info.num_blocks
         gpu.append(ptr + gpu_ids[keep] * info.block_bytes)
         cpu.append(host_ptr + cpu_ids[keep] * block_bytes + info.cpu_offset)
         size.append(np.full(int(keep.sum()), info.block_bytes, np.int64))
-    gpu, cpu, size = (np.concatenate(parts) for parts in (gpu, cpu, size))
+        block.append(cpu_ids[keep])
+    gpu, cpu, size, block = (np.concatenate(parts) for parts in (gpu, cpu, size, block))
     src, dst = (gpu, cpu) if to_host else (cpu, gpu)
     start = np.ones(len(size), bool)
     start[1:] = (src[1:] != src[:-1] + size[:-1]) | (dst[1:] != dst[:-1] + size[:-1])
+    if chunk_blocks:
+        start[1:] |= (block[1:] != block[:-1]) & (block[1:] % chunk_blocks == 0)
     first = np.flatnonzero(start)
     return dst[first], src[first], np.add.reduceat(size, first)
 
@@ -404,7 +409,8 @@ class MemcpyCopier(_CudaCopier):
     """One cudaMemcpyAsync per merged row (FastDeploy's cache_transfer_manager does this)."""
 
     def _rows(self, gpu_ids, cpu_ids, to_host):
-        return row_copies(self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu_ids, cpu_ids, to_host)
+        return row_copies(self.infos, self.pointers, self.swap.host_ptr, self.stride, gpu_ids, cpu_ids, to_host,
+                          self.swap.chunk_blocks)
 
     def _run(self, lane, gpu_ids, cpu_ids, to_host):
         for dst, src, size in zip(*(a.tolist() for a in self._rows(gpu_ids, cpu_ids, to_host))):

@@ -32,8 +32,8 @@ class CudaSwapSpace(SwapSpace):
         self.host_ptr = self.blocks.ctypes.data
         self.pin_seconds = None                  # wall time to pin the whole tier, once done
         # Chunks hold whole pages (two registrations never share one) and whole CPU blocks (a row never
-        # straddles two); DMA runs are split at chunk edges (dma_runs), since one cudaMemcpy must lie in
-        # one registered range to run as DMA
+        # straddles two); DMA runs and merged rows are split at chunk edges (dma_runs, row_copies), since
+        # one cudaMemcpy must lie in one registered range to run as DMA
         page = mmap.PAGESIZE
         if self.host_ptr % page:
             raise TransferError("the CPU tier must start on a page boundary (SharedSegment payloads do)")
