@@ -329,6 +329,32 @@ def test_a_vmm_kv_cache_moves_bit_for_bit_through_descriptors_passed_over_the_so
     assert not fake.handles and not fake.maps and not fake.reserved
 
 
+def test_a_vmm_cache_over_more_allocations_than_one_message_carries_attaches_bit_for_bit(fake_vmm):
+    """PyTorch's expandable segments map a page (2 or 20 MiB) per allocation, so a KV cache of some GiB lies in
+    thousands of them. One SCM_RIGHTS message carries at most 253 descriptors (Linux's SCM_MAX_FD) and their
+    sizes outgrow a 4 KiB header: here 3 tensors over 705 allocations, every byte compared through them."""
+    fake, suffix = fake_vmm
+    spec = small_spec(num_layers=3, num_gpu_blocks=40, cache_dtype="uint8", block_size=1, num_kv_heads=1,
+                      head_dim=384_000, has_value=False)
+    infos = spec.tensors()
+    pieces = -(-infos[0].nbytes // GRANULARITY)          # one allocation per granule, as expandable segments do
+    rng = np.random.default_rng(705)
+    owner = Owner(fake, infos, pieces=pieces)
+    try:
+        data = owner.write(rng)
+        with exported(owner, suffix, spec) as manifest:
+            assert manifest[0]["vmm"]["count"] == len(infos) * pieces > 253
+            attached = cuda_ops.CudaOps().attach(manifest, infos, suffix)
+            try:
+                for index, d in enumerate(data):
+                    assert np.array_equal(attached.read(index).reshape(-1), d)
+            finally:
+                attached.close()
+    finally:
+        owner.close()
+    assert not fake.handles and not fake.maps and not fake.reserved
+
+
 def test_descriptors_served_in_another_order_are_caught_by_the_comparison(fake_vmm, monkeypatch):
     """Negative control: the bytes compared above come through the descriptors, so a server that swaps two
     of them makes the same comparison fail."""

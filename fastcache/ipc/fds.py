@@ -14,8 +14,10 @@ import threading
 
 from .naming import PREFIX
 
-MAX_HEADER = 4096
+MAX_HEADER = 1 << 20            # the sizes of some 100,000 allocations (expandable segments map one per page)
+SCM_MAX_FD = 253                # Linux: the most descriptors one message carries (more: EINVAL)
 _CRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
+_LENGTH = struct.Struct("<I")   # the header's bytes, sent with the first batch of descriptors
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:
@@ -41,7 +43,8 @@ def find_socket_dir(suffix: str) -> str:
 
 class FdServer:
     """Serve `fds` with `header` (a JSON object) to every same-user process that connects, on its own thread.
-    The descriptors stay the caller's: it closes them after close()."""
+    The descriptors stay the caller's: it closes them after close(). On the wire: the header's length with
+    the first SCM_MAX_FD descriptors, a byte with each further batch of them, then the header."""
 
     def __init__(self, path: str, fds: list[int], header: dict):
         self.path, self.fds = path, list(fds)
@@ -67,9 +70,16 @@ class FdServer:
                 try:
                     _pid, uid = peer_credentials(conn)
                     if uid == os.getuid():
-                        socket.send_fds(conn, [self._header], self.fds)
+                        self._send(conn)
                 except OSError:
                     pass            # the peer went away: nothing of ours changed
+
+    def _send(self, conn):
+        batches = [self.fds[k:k + SCM_MAX_FD] for k in range(0, len(self.fds), SCM_MAX_FD)] or [[]]
+        socket.send_fds(conn, [_LENGTH.pack(len(self._header))], batches[0])
+        for batch in batches[1:]:
+            socket.send_fds(conn, [b"\0"], batch)
+        conn.sendall(self._header)
 
     def close(self):
         try:
@@ -94,13 +104,34 @@ def fetch_fds(path: str, server_pid: int, count: int, timeout: float = 10.0) -> 
         if pid != server_pid or uid != os.getuid():
             raise ValueError(f"descriptor socket {path} is served by pid {pid} (uid {uid}), not the exporting "
                              f"worker {server_pid}")
-        raw, fds, _flags, _addr = socket.recv_fds(sock, MAX_HEADER, count + 1)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict) or len(fds) != count:
-            raise ValueError(f"descriptor socket {path} sent {len(fds)} descriptors, expected {count}")
-    except ValueError:
-        for fd in fds:
-            os.close(fd)
-        raise
+        fds = []
+        try:
+            header = json.loads(_receive(sock, path, count, fds))
+            if not isinstance(header, dict) or len(fds) != count:
+                raise ValueError(f"descriptor socket {path} sent {len(fds)} descriptors, expected {count}")
+        except BaseException:           # a timeout between batches too: none of them may leak
+            for fd in fds:
+                os.close(fd)
+            raise
     return header, fds
+
+
+def _receive(sock, path: str, count: int, fds: list) -> bytes:
+    """FdServer's header; the descriptors that came with it are appended to `fds` as they come (the caller
+    closes them if this raises). Linux ends a read after a message's descriptors, so each batch comes whole."""
+    batches = max(1, -(-count // SCM_MAX_FD))
+    data, want = b"", None
+    while want is None or len(data) < want:
+        raw, got, flags, _addr = socket.recv_fds(sock, 1 << 16, SCM_MAX_FD)
+        fds.extend(got)
+        if flags & socket.MSG_CTRUNC or len(fds) > count or not raw:     # too many, or the end came first
+            raise ValueError(f"descriptor socket {path} sent {len(fds)} descriptors, expected {count}")
+        data += raw
+        if want is None and len(data) >= _LENGTH.size:
+            length = _LENGTH.unpack_from(data)[0]
+            if length > MAX_HEADER:
+                raise ValueError(f"descriptor socket {path} announced a header of {length} bytes")
+            want = _LENGTH.size + batches - 1 + length
+    if len(data) != want:
+        raise ValueError(f"descriptor socket {path} sent {len(data) - want} bytes more than expected")
+    return data[_LENGTH.size + batches - 1:]
