@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import urllib.request
 
@@ -382,5 +383,57 @@ def test_sealed_objects_round_trip_in_parts_hold_no_plaintext_and_a_forgery_is_a
         s.tier[26] = 0
         assert s.get(k, hashes[:1], np.array([26])).all()                     # the honest objects still serve
         np.testing.assert_array_equal(s.tier[26], want[0])
+    finally:
+        s.close()
+
+
+def test_sealed_puts_in_parts_smaller_than_a_staging_half_never_share_staging_rows(service, tmp_path, monkeypatch):
+    """A part of a sealed put is staged while the one before it moves: the two must be staged in different
+    rows also when batch_mb cuts parts smaller than a staging half, or the part in flight is sent with the
+    next part's ciphertexts under its own names: a put reported done whose objects never open (and, as
+    objects that fail authentication, stay in the store)."""
+    from fastcache.store import seal
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(seal.KEY_BYTES))
+    key.chmod(0o600)
+    spec = small_spec(num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, num_cpu_blocks=24)  # 256 KiB
+    blocks = np.random.default_rng(12).integers(1, 256, (spec.num_cpu_blocks, spec.cpu_block_stride), np.uint8)
+    s = open_store(f"{service.url}?key_file={key}&batch_mb=1")
+    try:
+        s.attach(blocks, spec.cpu_block_bytes)
+        n = 12
+        step = len(range(*s._chunks(n, s._seal_staging().shape[1])[0].indices(n)))
+        assert step < n // 2 < s._seal_staging().shape[1]       # several parts, all within one half's rows
+        sealed, seal_object = [0], s.sealer.seal
+        prepared = threading.Condition()
+
+        def counting_seal(*args):
+            seal_object(*args)
+            with prepared:
+                sealed[0] += 1
+                prepared.notify_all()
+        monkeypatch.setattr(s.sealer, "seal", counting_seal)
+        real, puts = s._client, [0]
+
+        class PutsOnceTheNextPartIsStaged:
+            """Each part moves only once the part after it is staged: a transfer slower than sealing."""
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def batch_put_from(self, names, ptrs, sizes):
+                puts[0] += 1
+                with prepared:
+                    assert prepared.wait_for(lambda: sealed[0] >= min(n, (puts[0] + 1) * step), timeout=10)
+                return real.batch_put_from(names, ptrs, sizes)
+        monkeypatch.setattr(s, "_client", PutsOnceTheNextPartIsStaged())
+        k = ObjectKeys(unique("sealed-parts"), fingerprint(spec, 1), 0, s.sealer)
+        hashes = as_hashes(np.random.default_rng(13).integers(0, 2**63, n))
+        want = s.tier[:n].copy()
+        assert s.put(k, hashes, np.arange(n)) == 0 and puts[0] == -(-n // step)
+        s.tier[n:2 * n] = 0
+        foreign = np.zeros(n, bool)
+        hits = s.get(k, hashes, np.arange(n, 2 * n), foreign)
+        assert hits.all(), f"objects {np.flatnonzero(~hits).tolist()} do not open ({foreign.sum()} foreign)"
+        np.testing.assert_array_equal(s.tier[n:2 * n], want)
     finally:
         s.close()

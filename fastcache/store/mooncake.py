@@ -130,6 +130,9 @@ class MooncakeStore(BlockStore):
 
         staging = self._seal_staging() if keys.sealer is not None else None
         parts = self._chunks(len(hashes), staging.shape[1] if staging is not None else None)
+        # consecutive parts alternate halves, whatever their size (batch_mb may cut them below a half): the
+        # part staged next must never be written into the rows of the part in flight
+        half = {part.start: i % 2 for i, part in enumerate(parts)}
 
         def prepare(part):          # headers and checksums of the next part, while the previous one moves
             names = [keys.name(h) for h in hashes[part]]
@@ -137,7 +140,7 @@ class MooncakeStore(BlockStore):
                 for h, c in zip(hashes[part], cpu_ids[part]):
                     keys.write_header(self.headers[c], h, self.tier[c])
                 return (names, *self._buffers(cpu_ids[part]))
-            rows = staging[(part.start // staging.shape[1]) % 2]
+            rows = staging[half[part.start]]
             size = self.tier.shape[1] + HEADER_BYTES
             for row, h, c in zip(rows, hashes[part], cpu_ids[part]):
                 keys.write_object(row[:size], h, self.tier[c])
