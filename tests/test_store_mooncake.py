@@ -437,3 +437,24 @@ def test_sealed_puts_in_parts_smaller_than_a_staging_half_never_share_staging_ro
         np.testing.assert_array_equal(s.tier[n:2 * n], want)
     finally:
         s.close()
+
+
+def test_a_store_task_against_an_unreachable_master_holds_up_no_swap():
+    """Mooncake's setup holds the GIL while it fails to reach a master (about 4.4 s against a closed port,
+    retry included), and a transfer manager that never opened its store tries again on every store task: a
+    swap of that rank waited out each attempt. An unreachable store never holds up swaps (docs/design.md §8)."""
+    url = f"mooncake://127.0.0.1:{free_port()}"        # nothing listens there
+    rng = np.random.default_rng(14)
+    with deployment(SPEC, tp=1, store=url) as (backend, workers):
+        cpu = backend.allocate_cpu_blocks(1)
+        round_trip(backend, workers, rng)                   # warm
+        longest = 0.0
+        for _ in range(2):
+            put = backend.cpu_to_store("m", [int(rng.integers(0, 2**63))], cpu)
+            while not put.done():                           # swaps while the transfer manager opens the store
+                began = time.monotonic()
+                round_trip(backend, workers, rng)
+                longest = max(longest, time.monotonic() - began)
+            with pytest.raises(TransferError, match=f"store {url}: cannot connect to the Mooncake master"):
+                put.result(timeout=0)
+        assert longest < 1.0, f"a swap waited {longest:.1f} s for a store task against an unreachable master"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import socket
 
 import numpy as np
 
@@ -74,6 +75,12 @@ class MooncakeStore(BlockStore):
         except ImportError as exc:
             raise StoreError(f"store {url}: Mooncake is not installed ({exc}); "
                              f"pip install 'fastcache[mooncake]'") from None
+        # setup holds the GIL while it fails to reach a master (about 4.4 s against a closed port, its retry
+        # included), stalling every swap of this process; a connect that is refused costs nothing and no GIL
+        why = _unreachable(master, RPC_TIMEOUT_MS / 1000)
+        if why:
+            raise StoreError(f"store {url}: cannot connect to the Mooncake master at {master} ({why}); "
+                             f"is mooncake_master running there?")
         self._client = MooncakeDistributedStore()
         self._io = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="mooncake-io")  # one per direction
         # P2PHANDSHAKE: transfer endpoints meet peer to peer, so the master is the only service needed.
@@ -236,6 +243,17 @@ class MooncakeStore(BlockStore):
             self.detach()
             self._client.close()
             self._client = None
+
+
+def _unreachable(master: str, timeout: float) -> str | None:
+    """Why nothing answers a TCP connect to the master's HOST:PORT, or None if something accepts it (a hung
+    master does: its kernel completes the handshake)."""
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    return None
 
 
 def _name(code: int) -> str:
