@@ -505,6 +505,41 @@ def test_a_store_task_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monke
         cache.close()
 
 
+def test_a_fetch_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monkeypatch):
+    """A load's fetch failed because the engine lost a rank (restart_rank, a dead process) fails the load but
+    does not set the store aside, as for a put; one that a rank failed itself does."""
+    from fastcache.engine.handle import TransferHandle
+    rng = np.random.default_rng(13)
+    with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
+        cache = TieredCache(backend, "m", capacity=4)
+        fill(workers, [0, 1], rng)
+        cpu = backend.allocate_cpu_blocks(2)
+        backend.swap_out([0, 1], cpu).result(timeout=30)
+        hashes = [int(h) for h in rng.integers(0, 2**63, 2)]
+        backend.cpu_to_store("m", hashes, cpu).result(timeout=30)           # objects only the store holds
+        handles = []
+
+        def held_fetch(namespace, keys, blocks):
+            handles.append(TransferHandle(10_000 + len(handles), "STORE_TO_CPU", [0, 1], 2 * len(keys)))
+            return handles[-1]
+        monkeypatch.setattr(backend, "store_to_cpu", held_fetch)
+        load = cache.load(hashes[:1], [5])
+        handles[0].rank_finished(0, "rank 0 was restarted (restart_rank)", lost=True)
+        handles[0].rank_finished(1, nbytes=1)
+        with pytest.raises(TransferError, match="restart_rank"):
+            load.result(timeout=30)
+        assert handles[0].ranks_lost and cache.stats()["l3_errors"] == 0
+        assert cache.lookup_tiers(hashes) == (2, 2)                         # the store is still asked
+        load = cache.load(hashes[1:], [6])
+        handles[1].rank_finished(0, "StoreError: store file://...: reading ... failed: I/O error")
+        handles[1].rank_finished(1, nbytes=1)
+        with pytest.raises(TransferError, match="I/O error"):
+            load.result(timeout=30)
+        assert not handles[1].ranks_lost and cache.stats()["l3_errors"] == 1
+        monkeypatch.undo()
+        cache.close()
+
+
 def test_an_l3_load_refreshes_the_held_hashes_it_loads_not_only_the_fetched_ones(tmp_path):
     """Under lru, a load of a held hash and a store-only one is one store of both to the policy: the held
     one is refreshed, so the next eviction takes the least recently used other hash. Worked by hand,

@@ -338,7 +338,8 @@ class L3Tier:
             if ok:
                 self._counts["l3_loaded_blocks"] += len(fetch)
                 self._counts["l3_loaded_bytes"] += fetched.nbytes
-        if fetched.error is not None and not fetched.error.count(MISS):
+        # a miss is the store working; a lost rank (dead, restarted) says nothing about the store either
+        if fetched.error is not None and not fetched.error.count(MISS) and not fetched.ranks_lost:
             self._l3_failed(fetched.error)
         self._loaded(handle, (keys, entries, drops))
 
