@@ -507,8 +507,9 @@ def test_a_store_task_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monke
 
 def test_a_fetch_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monkeypatch):
     """A load's fetch failed because the engine lost a rank (restart_rank, a dead process) fails the load but
-    does not set the store aside, as for a put; one that a rank failed itself does."""
+    does not set the store aside, as for a put; a store error of any rank does, even beside another rank's miss."""
     from fastcache.engine.handle import TransferHandle
+    from fastcache.store.base import MISS
     rng = np.random.default_rng(13)
     with deployment(SPEC, tp=2, store=f"file://{tmp_path}/l3") as (backend, workers):
         cache = TieredCache(backend, "m", capacity=4)
@@ -530,9 +531,9 @@ def test_a_fetch_failed_by_a_lost_rank_is_not_a_store_error(tmp_path, monkeypatc
             load.result(timeout=30)
         assert handles[0].ranks_lost and cache.stats()["l3_errors"] == 0
         assert cache.lookup_tiers(hashes) == (2, 2)                         # the store is still asked
-        load = cache.load(hashes[1:], [6])
-        handles[1].rank_finished(0, "StoreError: store file://...: reading ... failed: I/O error")
-        handles[1].rank_finished(1, nbytes=1)
+        load = cache.load(hashes[1:], [6])          # one rank's object is missing, the other's read fails
+        handles[1].rank_finished(0, f"StoreError: {MISS}: store file://...: 1 of 1 objects missing")
+        handles[1].rank_finished(1, "StoreError: store file://...: reading ... failed: I/O error")
         with pytest.raises(TransferError, match="I/O error"):
             load.result(timeout=30)
         assert not handles[1].ranks_lost and cache.stats()["l3_errors"] == 1

@@ -217,6 +217,11 @@ class TransferHandle(Completion):
         error of its own, so the store (for a store task) is not to blame."""
         return bool(self._errors) and set(self._errors) <= self._lost
 
+    def own_errors(self) -> list[str]:
+        """The errors ranks reported for their own task (not the engine's failing of a lost rank)."""
+        with self._lock:
+            return [error for rank, error in sorted(self._errors.items()) if rank not in self._lost]
+
     def waits_for(self, rank) -> bool:
         """Is rank's report still outstanding? (A set lookup: safe without the lock under the GIL.)"""
         return rank in self._pending

@@ -338,8 +338,9 @@ class L3Tier:
             if ok:
                 self._counts["l3_loaded_blocks"] += len(fetch)
                 self._counts["l3_loaded_bytes"] += fetched.nbytes
-        # a miss is the store working; a lost rank (dead, restarted) says nothing about the store either
-        if fetched.error is not None and not fetched.error.count(MISS) and not fetched.ranks_lost:
+        # a miss is the store working, and a lost rank (dead, restarted) says nothing about it; any other
+        # rank's error is the store's, beside another rank's miss too
+        if fetched.error is not None and any(MISS not in error for error in fetched.own_errors()):
             self._l3_failed(fetched.error)
         self._loaded(handle, (keys, entries, drops))
 
