@@ -326,6 +326,45 @@ def test_a_put_replaces_a_directory_where_its_object_belongs(store, tier, tmp_pa
     np.testing.assert_array_equal(tier[12], tier[3])
 
 
+def test_an_unsealed_directory_store_another_user_can_write_is_refused(tmp_path, blocks, tier):
+    """Without a key, an object whose header checks is served, and anyone can write a header (xxh3 is no
+    MAC): a directory that another user can write to (or owns) would let them plant KV bytes (docs/design.md
+    §12). It is refused, naming the directory; sealed objects need no private directory."""
+    from fastcache.store import StoreError, seal
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(StoreError, match=f"{root} is owned by uid {os.getuid()} with mode 777"):
+        open_store(f"file://{root}")
+    root.chmod(0o700)
+    open_store(f"file://{root}").close()                            # this user's own: fine
+    (root / "objects").chmod(0o770)
+    with pytest.raises(StoreError, match="another user could plant objects"):
+        open_store(f"file://{root}")
+    (root / "objects").chmod(0o700)
+    if os.getuid() == 0:                                           # a directory another user owns
+        os.chown(root, 65534, 65534)
+        with pytest.raises(StoreError, match="owned by uid 65534"):
+            open_store(f"file://{root}")
+        os.chown(root, 0, 0)
+    root.chmod(0o777)
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(seal.KEY_BYTES))
+    key.chmod(0o600)
+    s = open_store(f"file://{root}?key_file={key}")                # sealed: a forgery fails authentication
+    try:
+        s.attach(blocks, SPEC.cpu_block_bytes)
+        k = ObjectKeys("m", fingerprint(SPEC, 1), 0, s.sealer)
+        hashes = as_hashes(np.random.default_rng(9).integers(0, 2**63, 2))
+        want = tier[:2].copy()
+        s.put(k, hashes, np.arange(2))
+        tier[2:4] = 0
+        assert s.get(k, hashes, np.arange(2, 4)).all()
+        np.testing.assert_array_equal(tier[2:4], want)
+    finally:
+        s.close()
+
+
 def test_a_writer_killed_during_a_put_leaves_no_object(tmp_path):
     """The writer dies between writing its temporary file and renaming it: nothing is visible, and the
     next store opened on the directory removes the orphaned temporary file."""

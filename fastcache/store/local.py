@@ -26,16 +26,30 @@ class NotRegularFile(OSError):
 
 
 class FileStore(BlockStore):
-    def __init__(self, url: str, root: str):
+    def __init__(self, url: str, root: str, sealed: bool = False):
+        """sealed: objects are sealed under a deployment key (key_file), so the directory need not be private."""
         self.url, self.root = url, root
         self._objects = os.path.join(root, "objects")
         self._tmp = os.path.join(root, "tmp")
         try:
             os.makedirs(self._objects, mode=0o700, exist_ok=True)
             os.makedirs(self._tmp, mode=0o700, exist_ok=True)
+            if not sealed:
+                self._check_private()
         except OSError as exc:
             raise StoreError(f"store {url}: cannot create {root}: {exc}") from None
         self._remove_dead_temps()
+
+    def _check_private(self):
+        """Unsealed objects are trusted once their header checks, and anyone can write a header: only this user
+        may write where they live (docs/design.md §12), as for the deployment's segments."""
+        for path in (self.root, self._objects, self._tmp):
+            info = os.stat(path)
+            if info.st_uid != os.getuid() or info.st_mode & 0o022:
+                raise StoreError(f"store {self.url}: {path} is owned by uid {info.st_uid} with mode "
+                                 f"{stat.S_IMODE(info.st_mode):o}: another user could plant objects in it; use a "
+                                 f"directory of this user's that only it can write (chmod go-w), or seal the "
+                                 f"objects (key_file=)")
 
     def _remove_dead_temps(self):
         for name in os.listdir(self._tmp):

@@ -110,7 +110,7 @@ def open_store(url) -> BlockStore:
     opts = parsed.options
     if parsed.scheme == "file":
         from .local import FileStore
-        store = FileStore(parsed.url, parsed.location)
+        store = FileStore(parsed.url, parsed.location, sealed="key_file" in opts)
     else:
         from .mooncake import MooncakeStore
         store = MooncakeStore(parsed.url, parsed.location, protocol=opts.get("protocol", "tcp"),
