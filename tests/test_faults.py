@@ -284,6 +284,54 @@ def test_sigkill_of_a_worker_process_makes_its_transfer_manager_exit_and_the_eng
     assert not deployment_entries(suffix)
 
 
+def test_a_worker_that_takes_over_a_live_rank_is_never_served_through_the_old_workers_memory(monkeypatch):
+    """A worker closes and another takes its rank (§4: a gone worker's claim passes on) while the rank's transfer
+    manager still maps the first one's tensors. No swap may be reported done with its bytes written to, or read
+    from, that old memory: it fails naming the rank, the manager exits saying why (a new manager maps the new
+    tensors), and restart_rank brings the rank back over the new worker, bit-exactly."""
+    fast_liveness(monkeypatch, transfer_timeout=30)
+    rng = np.random.default_rng(37)
+    spec = small_spec()
+    victim = 1
+    with deployment(spec, tp=2) as (backend, workers):
+        for w in workers:
+            randomize(w, rng)
+        round_trip(backend, workers, rng)
+        tm_pid = backend.transfer_pids[victim]
+        workers[victim].close()
+        workers[victim] = CacheWorker(spec, rank=victim, tp_size=2, device="sim", suffix=backend.suffix,
+                                      framework="numpy").start()
+        randomize(workers[victim], rng)
+        cpu = np.array(backend.allocate_cpu_blocks(4))
+        for r in range(2):
+            backend.cpu_tier(r)[cpu] = rng.integers(0, 256, (4, spec.cpu_block_bytes), dtype=np.uint8)
+        tier = [backend.cpu_tier(r)[cpu].copy() for r in range(2)]
+        gpu_in, gpu_out = np.split(rng.choice(spec.num_gpu_blocks, 8, replace=False), 2)
+        untouched = cpu_image(workers[victim], gpu_in)
+        try:
+            backend.swap_in(gpu_in, cpu).result(timeout=10)
+        except TransferError as exc:
+            assert f"rank {victim}" in str(exc) and "rank 0" not in str(exc), exc
+            np.testing.assert_array_equal(cpu_image(workers[victim], gpu_in), untouched)
+        else:           # reported done: the bytes must be in the new worker's tensors
+            np.testing.assert_array_equal(cpu_image(workers[victim], gpu_in), tier[victim])
+        try:
+            backend.swap_out(gpu_out, cpu).result(timeout=10)
+        except TransferError as exc:
+            assert f"rank {victim}" in str(exc) and "rank 0" not in str(exc), exc
+        else:           # reported done: the tier must hold the new worker's bytes
+            np.testing.assert_array_equal(backend.cpu_tier(victim)[cpu], cpu_image(workers[victim], gpu_out))
+        # the rank goes out of service on its own, naming why
+        wait_for(lambda: victim in backend.failed_ranks, 10, "the engine took the rank out of service")
+        why = backend.failed_ranks[victim]
+        assert str(tm_pid) in why and "another worker took its rank" in why, why
+        assert 0 not in backend.failed_ranks
+        backend.restart_rank(victim, timeout=20)
+        backend.wait_ready(timeout=20)
+        round_trip(backend, workers, rng)
+        backend.free_cpu_blocks(cpu.tolist())
+
+
 def test_task_submitted_right_after_a_transfer_manager_died_names_its_exit_status(monkeypatch):
     """Regression: between a manager's death and the next supervision tick, a submission used to fail with
     a bare 'transfer manager not connected'; send_all now looks at the process (check_exit) itself."""
@@ -581,3 +629,4 @@ def test_a_phase_command_waits_for_a_registered_process_whose_task_pipe_is_not_u
         for w in workers:
             randomize(w, rng)
         round_trip(backend, workers, rng)
+

@@ -22,10 +22,16 @@ def read_json_segment(name: str, suffix: str):
     return json.loads(raw.rstrip(b"\0"))
 
 
-def write_manifest(suffix: str, rank: int, manifest: list) -> SharedSegment:
-    """Publish rank `rank`'s export manifest (one entry per tensor)."""
-    return write_json_segment(manifest_name(suffix, rank), manifest, suffix)
+def write_manifest(suffix: str, rank: int, manifest: list, worker: int = 0) -> SharedSegment:
+    """Publish rank `rank`'s export manifest (one entry per tensor), each entry naming the worker that exported
+    it (its worker_id signal's value)."""
+    return write_json_segment(manifest_name(suffix, rank), [{**e, "worker": worker} for e in manifest], suffix)
 
 
 def read_manifest(suffix: str, rank: int) -> list:
     return read_json_segment(manifest_name(suffix, rank), suffix)
+
+
+def manifest_worker(manifest: list) -> int:
+    """The worker_id of the worker that exported the manifest's tensors (0: not named)."""
+    return int(manifest[0].get("worker", 0)) if manifest else 0

@@ -61,8 +61,9 @@ RESHARD_STEPS = ("prepare", "move", "commit", "abort")
 PREPARE, MOVE, COMMIT, ABORT = 1, 2, 3, 4
 STAGE_NAMES = {PREPARE: "prepare", MOVE: "move", COMMIT: "commit", ABORT: "abort"}
 # a transfer manager's exit codes when it stops on its own, and why (the engine names the reason)
-EXIT_WORKER_GONE, EXIT_ENGINE_GONE = 3, 4
-EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited"}
+EXIT_WORKER_GONE, EXIT_ENGINE_GONE, EXIT_WORKER_REPLACED = 3, 4, 5
+EXIT_REASONS = {EXIT_WORKER_GONE: "its worker stopped beating", EXIT_ENGINE_GONE: "its engine exited",
+                EXIT_WORKER_REPLACED: "another worker took its rank (restart_rank attaches the new one's cache)"}
 RESHARD_FRAMES = 4      # GPU ids old and new, CPU ids old and new (int64)
 FENCE_SLOTS = 64        # fence events a worker exports (worker/fences.py): a fence names one by its slot
 

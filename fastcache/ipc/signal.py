@@ -87,6 +87,9 @@ SIGNALS = {
     "swap_space_ready": (lambda tp: (tp,), np.int32),
     "kv_cache_status": (lambda tp: (1,), np.int32),
     "worker_heartbeat": (lambda tp: (tp,), np.float64),
+    # written by workers only: per rank the identity (random, not 0) of the worker that took it last; its export
+    # manifest names it, so a transfer manager knows whether the tensors it maps are still its rank's
+    "worker_id": (lambda tp: (tp,), np.int64),
     "transfer_heartbeat": (lambda tp: (tp,), np.float64),
     "task_received": (lambda tp: (tp,), np.int64),      # the last message number each transfer manager read
     # written by the engine only: per rank the highest message number it gave up waiting for that rank to read; a

@@ -34,9 +34,9 @@ from ..ipc.barrier import BrokenBarrierError, phase_barrier, transfer_party
 from ..ipc.done_ring import RingWriter, ring_name
 from ..ipc.heartbeat import Heartbeat, process_alive
 from ..ipc.layers import LayerPublisher
-from ..ipc.manifest import read_manifest
+from ..ipc.manifest import manifest_worker, read_manifest
 from ..ipc.naming import swap_space_name
-from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE
+from ..ipc.protocol import EXIT_ENGINE_GONE, EXIT_REASONS, EXIT_WORKER_GONE, EXIT_WORKER_REPLACED
 from ..ipc.queue import SEQ, TO_ENGINE, TO_RANK, connect_client, signed, verified
 from ..ipc.shm import SegmentError, SharedSegment
 from ..ipc.signal import EVENTS_LAYERS, RESHARDING, DeploymentSignals
@@ -83,6 +83,7 @@ class TransferManager:
             self.task_ring = TaskRingReader(SharedSegment.attach(task_ring_name(suffix, rank, incarnation), suffix),
                                             token, rank, incarnation)
         self.cache = self.swap = self.copier = None
+        self.worker = 0                 # the worker_id of the worker whose tensors self.cache maps
         self.layer_events = None        # cuda: interprocess events per (task slot, layer), for workers' streams
         self.fences = FenceWaits(suffix, rank, device_id)       # cuda: swaps wait for the worker's fence events
         self.phase = "running"          # running | clearing | cleared | restoring | reshard_prepare | resharding
@@ -161,6 +162,10 @@ class TransferManager:
         code = 0
         if not process_alive(self.engine_pid):
             code = EXIT_ENGINE_GONE
+        elif self.cache is not None and self._worker_replaced():
+            # its tensors are no rank's any more (and on cuda this mapping holds the old worker's memory): a new
+            # process attaches the new worker's (restart_rank)
+            code = EXIT_WORKER_REPLACED
         else:
             beat = float(self.signals.worker_heartbeat[self.rank])
             if self.cache is not None and beat and time.time() - beat > self.settings.worker_timeout:
@@ -169,6 +174,10 @@ class TransferManager:
             log.error("rank %d: %s; exiting", self.rank, EXIT_REASONS[code])
             logging.shutdown()
             os._exit(code)
+
+    def _worker_replaced(self) -> bool:
+        """Another worker has taken this rank since this process attached the tensors it maps."""
+        return int(self.signals.worker_id[self.rank]) != self.worker
 
     def _advance(self):
         """Attach what became ready, and move clear/restore along once its preconditions hold."""
@@ -231,7 +240,13 @@ class TransferManager:
             began = time.perf_counter()
             with self.swap.paused():        # cuda: pinning the tier would hold these calls up chunk by chunk
                 try:
-                    self.cache = self.ops.attach(read_manifest(self.suffix, self.rank), self.infos, self.suffix)
+                    manifest = read_manifest(self.suffix, self.rank)
+                    worker = manifest_worker(manifest)
+                    if worker != int(self.signals.worker_id[self.rank]):
+                        # a worker that left (killed) wrote it, and the one that took the rank has not exported
+                        raise ValueError("the manifest is an earlier worker's")
+                    self.worker = worker
+                    self.cache = self.ops.attach(manifest, self.infos, self.suffix)
                 except (SegmentError, ValueError) as exc:
                     log.debug("rank %d: cache not attachable yet: %s", self.rank, exc)
                     return
@@ -503,6 +518,10 @@ class TransferManager:
         never the process."""
         start = time.perf_counter()
         try:
+            if task.group != protocol.WEIGHTS and task.kind in protocol.TASK_KINDS and self._worker_replaced():
+                # the tensors mapped here are a gone worker's: a copy would be reported done, its bytes lost
+                raise TransferError(f"rank {self.rank}: another worker took the rank after this transfer manager "
+                                    f"attached its cache (restart_rank attaches the new one's)")
             self._maybe_fail(task)
             if task.group == protocol.WEIGHTS:
                 self.weights.run(task)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 
 from ..config import CacheSpec, Settings
@@ -78,6 +79,7 @@ class CacheWorker:
         self.ops = get_ops(device)
         self._adopted = tensors
         self.generation = 0
+        self.identity = 0       # while started: this worker's worker_id, new at each start (never 0)
         self._cache = None
         self._by_kind = {}      # kind -> the current tensors of that kind, layer order
         self._manifest = None
@@ -117,6 +119,9 @@ class CacheWorker:
 
     def _start(self):
         self.signals = DeploymentSignals(self.suffix, self.tp_size)
+        # first: from now on the rank's transfer manager runs no task over an earlier worker's tensors it may map
+        self.identity = secrets.randbits(62) + 1
+        self.signals.worker_id[self.rank] = self.identity
         self.barrier = phase_barrier(self.suffix, self.tp_size)
         self.barrier.register(self.party)
         self.layer_waits = LayerWaits(self.signals, self.rank, self.suffix, self.device_id, self.ops.name == "cuda",
@@ -162,7 +167,7 @@ class CacheWorker:
         """Publish the cache's manifest (again, after a reshard re-viewed the tensors)."""
         self._close_exports()
         manifest, self._fd_server = serve_descriptors(self.suffix, self.rank, self._cache)
-        self._manifest = write_manifest(self.suffix, self.rank, manifest)
+        self._manifest = write_manifest(self.suffix, self.rank, manifest, self.identity)
 
     def _close_exports(self):
         if self._manifest is not None:
