@@ -630,3 +630,67 @@ def test_a_phase_command_waits_for_a_registered_process_whose_task_pipe_is_not_u
             randomize(w, rng)
         round_trip(backend, workers, rng)
 
+
+# -- close against restart_rank and start ----------------------------------------------------------
+def test_restart_rank_after_close_is_refused_and_creates_nothing():
+    """A supervisor's restart_rank that comes after close must not bind a pipe or make a ring for a new process
+    (nothing would remove them while this process lives) nor start one."""
+    with deployment(small_spec(), tp=2) as (backend, _workers):
+        suffix = backend.suffix
+        backend.close()
+        with pytest.raises(TransferError, match="not running"):
+            backend.restart_rank(1, timeout=5)
+        assert not deployment_entries(suffix)
+
+
+def test_a_restart_rank_racing_close_leaves_no_transfer_manager_running():
+    """restart_rank on another thread kills rank 1's process; close runs before it spawns the new one. No process
+    may start once close has stopped the ranks (it would run on, unwatched, until this process exits): the
+    restart fails instead, and close leaves nothing running."""
+    import threading
+
+    from fastcache.engine import backend as backend_module
+
+    with deployment(small_spec(), tp=2) as (backend, workers):
+        old = backend.transfer_pids[1]
+        paused, closing, outcome = threading.Event(), threading.Event(), {}
+        fail_rank_tasks = backend._channel.fail_rank_tasks
+
+        def pause_after_the_kill(rank, why):        # restart: the old process is gone, the new one not spawned
+            paused.set()
+            closing.wait(30)
+            fail_rank_tasks(rank, why)
+
+        def restart():
+            try:
+                backend.restart_rank(1, timeout=20)
+                outcome["restarted"] = backend.transfer_pids[1]
+            except TransferError as exc:
+                outcome["error"] = str(exc)
+
+        close_local_workers = backend_module.close_local_workers
+
+        def closing_now(suffix):                    # close has stopped the ranks: the restart goes on
+            closing.set()
+            thread.join(30)
+            close_local_workers(suffix)
+
+        backend._channel.fail_rank_tasks = pause_after_the_kill
+        thread = threading.Thread(target=restart)
+        thread.start()
+        try:
+            assert paused.wait(30)
+            backend_module.close_local_workers = closing_now
+            backend.close()
+        finally:
+            backend_module.close_local_workers = close_local_workers
+            closing.set()
+            thread.join(30)
+        assert not thread.is_alive()
+        assert not process_alive(old)
+        started = outcome.get("restarted")
+        assert started is None or not process_alive(started), outcome
+        assert "error" in outcome and "closed" in outcome["error"], outcome
+        kids = [p for p in psutil.Process().children(recursive=True) if "fastcache.transfer" in " ".join(p.cmdline())]
+        assert not kids, kids
+

@@ -183,8 +183,13 @@ class SwapBackend:
 
     def restart_rank(self, rank: int, timeout: float = 30.0):
         """Replace rank's transfer manager (dead or not); the CPU tier, owned here, keeps every block. During a
-        pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec)."""
+        pending reshard, the ranks of both tps can be restarted (a new rank's with the new spec). TransferError if
+        the backend is not running, or closes meanwhile (no process is started then)."""
+        if not self.running:
+            raise TransferError("the backend is not running")
         self._ranks.restart(rank, self._resharder.pending)
+        if self._closed:
+            raise TransferError(f"restart of rank {rank}: the backend was closed")
         # registered: it holds its barrier slot, so a later phase will not find the dead pid there;
         # attached too when the cache is up (in CLEARED it attaches on restore)
         ranks = self._ranks

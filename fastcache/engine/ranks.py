@@ -48,6 +48,7 @@ class RankSupervisor:
         self._geometry, self._launch_args, self._signals = geometry, launch_args, signals
         self._open_pipe, self._fail_tasks, self._wake = open_pipe, fail_tasks, wake
         self._lock = threading.Lock()       # the failed ranks, against a process replaced meanwhile
+        self._spawning = threading.Lock()   # a spawn against begin_close: no process starts once close has begun
         self._procs: list[subprocess.Popen | None] = [None] * tp_size
         self._incarnations = collections.Counter()  # rank -> processes started for it (names task endpoints)
         self._failed: dict[int, str] = {}           # rank -> why it is out of service
@@ -134,7 +135,14 @@ class RankSupervisor:
     # -- processes -----------------------------------------------------------------------------------
     def spawn(self, rank: int, spec=None, tp: int | None = None, device_id: int | None = None, weights=None):
         """Start rank's transfer manager (a reshard starts new ranks with the spec, tp and weight layout they will
-        have)."""
+        have). TransferError once close has begun: close would not stop the process (restart_rank on another
+        thread), nor remove its pipe and rings."""
+        with self._spawning:
+            if self._closing:
+                raise TransferError(f"rank {rank} was not started: the backend was closed")
+            self._spawn(rank, spec, tp, device_id, weights)
+
+    def _spawn(self, rank, spec, tp, device_id, weights):
         now_spec, now_tp, device_ids, now_weights = self._geometry()
         spec, tp, weights = spec or now_spec, tp or now_tp, weights or now_weights
         device_id = device_ids[rank] if device_id is None else device_id
@@ -231,8 +239,10 @@ class RankSupervisor:
                                        f"(no heartbeat for {now - beat:.1f} s); {gone}", proc=proc)
 
     def begin_close(self):
-        """The deployment is closing: the processes' exits from now on are planned, not failures."""
-        self._closing = True
+        """The deployment is closing: the processes' exits from now on are planned, not failures, and no process
+        starts (a spawn under way finishes first, so stop sees its process)."""
+        with self._spawning:
+            self._closing = True
 
     def stop(self, grace: float = 5.0):
         """Wait up to grace seconds for every process to exit (it was told to stop); kill what is left."""
