@@ -694,3 +694,12 @@ def test_a_restart_rank_racing_close_leaves_no_transfer_manager_running():
         kids = [p for p in psutil.Process().children(recursive=True) if "fastcache.transfer" in " ".join(p.cmdline())]
         assert not kids, kids
 
+
+def test_close_right_after_start_does_not_wait_for_processes_it_could_not_tell_to_stop():
+    """Transfer managers not yet connected to their task pipes cannot be told to stop: close must not wait for
+    them to time out (it took the whole close timeout, 30 s, as does a start that fails and closes)."""
+    backend = SwapBackend(small_spec(), tp_size=2, device="sim").start()
+    began = time.monotonic()
+    backend.close()
+    assert time.monotonic() - began < 10
+    assert not any(process_alive(p) for p in backend.transfer_pids if p)

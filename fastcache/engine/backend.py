@@ -482,9 +482,10 @@ class SwapBackend:
         self._resharder.close_caches(max(0.0, timeout - STOP_GRACE))
         self._closed = True
         self._ranks.begin_close()
+        told = {}       # rank -> the stop's number on its pipe
         if self._channel.serving:
-            self._channel.send_all(protocol.encode("stop"))
-        self._ranks.stop(grace=max(0.5, deadline - time.monotonic()))
+            self._channel.send_all(protocol.encode("stop"), sent=told)
+        self._ranks.stop(grace=max(0.5, deadline - time.monotonic()), told=told)
         # only now: a transfer manager may still map the workers' memory (CUDA IPC) until it has exited. A
         # backend refused at start (the suffix belongs to a live deployment) created nothing: the workers
         # in this process are the running deployment's, not its own

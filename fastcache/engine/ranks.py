@@ -244,12 +244,16 @@ class RankSupervisor:
         with self._spawning:
             self._closing = True
 
-    def stop(self, grace: float = 5.0):
-        """Wait up to grace seconds for every process to exit (it was told to stop); kill what is left."""
+    def stop(self, grace: float = 5.0, told=None):
+        """Wait up to grace seconds for every process told to stop to exit; kill what is left. told: the ranks whose
+        process was sent the stop (None: all); the others are killed at once: a process not connected to its pipe
+        yet, or out of service, would only be waited for until the grace ran out."""
         deadline = time.monotonic() + grace
-        for proc in self._procs:
+        for rank, proc in enumerate(self._procs):
             if proc is None:
                 continue
+            if told is not None and rank not in told:
+                proc.kill()
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
