@@ -26,7 +26,7 @@ from fastcache.worker import CacheWorker
 from fastcache.ipc.heartbeat import process_alive
 from fastcache.ipc.naming import PREFIX
 from fastcache.ipc.shm import SHM_DIR
-from fastcache.launch.harness import start_workers, stop_workers
+from fastcache.launch.harness import start_worker, start_workers, stop_workers
 from fastcache.launch.verify import Checks, Verifier
 from fastcache.launch.workload import random_swap_round
 from fastcache.ipc.leftovers import find_stale
@@ -330,6 +330,35 @@ def test_a_worker_that_takes_over_a_live_rank_is_never_served_through_the_old_wo
         backend.wait_ready(timeout=20)
         round_trip(backend, workers, rng)
         backend.free_cpu_blocks(cpu.tolist())
+
+
+def test_a_worker_started_for_the_rank_of_a_killed_one_takes_it_over_without_a_cleanup_step(monkeypatch):
+    """§4: a dead worker's claim on its rank passes to the next worker. That worker must be able to start: the
+    killed one's segments (its cache, its manifest) hold the names it creates, and no process will ever unlink
+    them. It serves the rank once restart_rank has replaced the transfer manager that mapped the dead one's
+    tensors, bit-exactly."""
+    fast_liveness(monkeypatch, transfer_timeout=30)
+    rng = np.random.default_rng(41)
+    spec = small_spec()
+    victim = 1
+    with SwapBackend(spec, tp_size=2, device="sim") as backend:
+        workers = [CacheWorker(spec, rank=0, tp_size=2, device="sim", suffix=backend.suffix).start()]
+        proc = start_worker(backend, victim, 2, spec, "numpy", victim)
+        try:
+            backend.wait_ready(timeout=30)
+            proc.kill()
+            proc.wait()
+            workers.append(CacheWorker(spec, rank=victim, tp_size=2, device="sim", suffix=backend.suffix).start())
+            wait_for(lambda: victim in backend.failed_ranks, 10, "the old worker's transfer manager went")
+            backend.restart_rank(victim, timeout=20)
+            backend.wait_ready(timeout=20)
+            for w in workers:
+                randomize(w, rng)
+            round_trip(backend, workers, rng)
+        finally:
+            stop_workers([proc])
+            for w in workers:
+                w.close()
 
 
 def test_task_submitted_right_after_a_transfer_manager_died_names_its_exit_status(monkeypatch):

@@ -15,6 +15,7 @@ from ..ipc.barrier import phase_barrier, worker_party
 from ..errors import TransferError
 from ..ipc.fds import FdServer, find_socket_dir
 from ..ipc.heartbeat import Heartbeat
+from ..ipc.leftovers import remove_dead
 from ..ipc.manifest import write_manifest
 from ..ipc.naming import segment_name
 from ..ipc.shm import HeldSegment, SegmentHeld
@@ -112,6 +113,10 @@ class CacheWorker:
         is touched, if a live worker holds this rank of the deployment already."""
         self._rank_claim = claim_rank(self.suffix, self.rank)
         try:
+            # a killed worker of this rank left its segments (its cache, its manifest) under the names this one
+            # creates, and nobody else would unlink them while the deployment runs: the claim says it is gone, and
+            # what dead processes left goes by the clean-up tool's rule (nothing of a live one is touched)
+            remove_dead(suffix=self.suffix)
             return self._start()
         except BaseException:
             self.close()
