@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
-from fastcache import SwapBackend, TransferError
+from fastcache import RefusedError, SwapBackend, TransferError
 from fastcache.ipc.signal import NORMAL
 from fastcache.worker import CacheWorker
 from fastcache.ipc.heartbeat import process_alive
@@ -351,6 +351,39 @@ def test_a_worker_started_for_the_rank_of_a_killed_one_takes_it_over_without_a_c
             workers.append(CacheWorker(spec, rank=victim, tp_size=2, device="sim", suffix=backend.suffix).start())
             wait_for(lambda: victim in backend.failed_ranks, 10, "the old worker's transfer manager went")
             backend.restart_rank(victim, timeout=20)
+            backend.wait_ready(timeout=20)
+            for w in workers:
+                randomize(w, rng)
+            round_trip(backend, workers, rng)
+        finally:
+            stop_workers([proc])
+            for w in workers:
+                w.close()
+
+
+def test_restart_rank_while_the_ranks_worker_is_dead_serves_nothing_until_a_new_worker_comes(monkeypatch):
+    """A worker is killed, its transfer manager exits (status 3) and the engine names it; restart_rank is the
+    natural answer. The new process must not attach what the dead worker left (on sim its memory is still
+    there) and report the rank ready: every swap would be reported done over memory no worker serves. It waits
+    for a worker instead; the one that takes the rank is attached without another restart, bit-exactly."""
+    fast_liveness(monkeypatch, worker_timeout=1.0, transfer_timeout=30)
+    rng = np.random.default_rng(43)
+    spec = small_spec()
+    victim = 1
+    with SwapBackend(spec, tp_size=2, device="sim") as backend:
+        workers = [CacheWorker(spec, rank=0, tp_size=2, device="sim", suffix=backend.suffix).start()]
+        proc = start_worker(backend, victim, 2, spec, "numpy", victim)
+        try:
+            backend.wait_ready(timeout=30)
+            proc.kill()
+            proc.wait()
+            wait_for(lambda: "status 3" in (backend.failed_ranks.get(victim) or ""), 10,
+                     "the dead worker's transfer manager exited")
+            with pytest.raises(TransferError, match=f"restart of rank {victim} timed out"):
+                backend.restart_rank(victim, timeout=3)
+            with pytest.raises(RefusedError, match="not ready"):
+                backend.swap_out([1], [1])
+            workers.append(CacheWorker(spec, rank=victim, tp_size=2, device="sim", suffix=backend.suffix).start())
             backend.wait_ready(timeout=20)
             for w in workers:
                 randomize(w, rng)

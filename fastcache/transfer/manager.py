@@ -167,13 +167,18 @@ class TransferManager:
             # process attaches the new worker's (restart_rank)
             code = EXIT_WORKER_REPLACED
         else:
-            beat = float(self.signals.worker_heartbeat[self.rank])
-            if self.cache is not None and beat and time.time() - beat > self.settings.worker_timeout:
+            if self.cache is not None and self._worker_silent():
                 code = EXIT_WORKER_GONE
         if code:
             log.error("rank %d: %s; exiting", self.rank, EXIT_REASONS[code])
             logging.shutdown()
             os._exit(code)
+
+    def _worker_silent(self) -> bool:
+        """The rank's worker has not beaten for the worker timeout: it died (a fresh one has not beaten yet: 0), and
+        what it exported is no rank's (restart_rank after a worker died must not attach it)."""
+        beat = float(self.signals.worker_heartbeat[self.rank])
+        return bool(beat) and time.time() - beat > self.settings.worker_timeout
 
     def _worker_replaced(self) -> bool:
         """Another worker has taken this rank since this process attached the tensors it maps."""
@@ -236,7 +241,7 @@ class TransferManager:
                 seg.close()
                 raise
             self.signals.swap_space_ready[self.rank] = 1
-        if self.cache is None and self.signals.cache_ready[self.rank] == 1:
+        if self.cache is None and self.signals.cache_ready[self.rank] == 1 and not self._worker_silent():
             began = time.perf_counter()
             with self.swap.paused():        # cuda: pinning the tier would hold these calls up chunk by chunk
                 try:
