@@ -166,9 +166,8 @@ class TransferManager:
             # its tensors are no rank's any more (and on cuda this mapping holds the old worker's memory): a new
             # process attaches the new worker's (restart_rank)
             code = EXIT_WORKER_REPLACED
-        else:
-            if self.cache is not None and self._worker_silent():
-                code = EXIT_WORKER_GONE
+        elif self.cache is not None and self._worker_silent():
+            code = EXIT_WORKER_GONE
         if code:
             log.error("rank %d: %s; exiting", self.rank, EXIT_REASONS[code])
             logging.shutdown()
