@@ -273,7 +273,9 @@ def test_tensor_parallel_ranks_move_their_own_slices(fault):
     alone = reference("--tp", 2)
     report = drive("--fastcache", "--rounds", 2, "--tp", 2, env=WRONG_CHUNK if fault else None)
     assert report["transfer_managers"] == 2
-    assert report["dist_removed"], "vLLM made no shared memory at tp=2: the check that none is left sees nothing"
+    # vLLM's CPU communicator runs over shared memory where its build has the SHM manager for this CPU, else over
+    # torch.distributed: segments to remove exactly when it does (so the check that none is left sees them)
+    assert bool(report["dist_removed"]) == report["cpu_shm"], (report["dist_removed"], report["cpu_shm"])
     assert_same(outputs(report, 0), alone, "round one")
     assert per_round(report["load_bytes"])[1] >= SHARED_BLOCKS * BLOCK_BYTES     # half a block per rank, 2 ranks
     if fault:

