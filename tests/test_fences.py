@@ -38,7 +38,7 @@ def stand_in(copier, waits, rank=0):
     """A transfer manager's state that _on_task and _run read, over the test's copier and fence waits."""
     tm = SimpleNamespace(rank=rank, phase="running", copier=copier, weights=None, spec=SPEC, fences=waits,
                          ops=SimpleNamespace(name="cuda"), scheduler=Scheduler(), ready=[], sent=[],
-                         _maybe_fail=lambda task: None)
+                         _maybe_fail=lambda task: None, _worker_replaced=lambda: False)
     tm._dispatch = tm.ready.extend
     tm._fenced = lambda task: TransferManager._fenced(tm, task)
     tm._swap_in_layers = lambda task, first=None: TransferManager._swap_in_layers(tm, task, first)

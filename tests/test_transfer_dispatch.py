@@ -57,6 +57,7 @@ def manager(blocks):
     tm.rank, tm.spec, tm.settings, tm.phase = 0, SPEC, Settings(), "running"
     tm.copier, tm.ring, tm.fail_every, tm.tasks_seen = blocks, None, 0, 0
     tm.ops = SimpleNamespace(name="sim")
+    tm._worker_replaced = lambda: False         # the rank's worker is the one attached
     tm.scheduler = Scheduler()
     tm.ready, tm.dispatching = collections.deque(), False
     tm.queued = {lane: 0 for lane in LANES}
