@@ -9,6 +9,7 @@ finds every swapped-out block where it was).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -338,27 +339,13 @@ def test_a_worker_started_for_the_rank_of_a_killed_one_takes_it_over_without_a_c
     them. It serves the rank once restart_rank has replaced the transfer manager that mapped the dead one's
     tensors, bit-exactly."""
     fast_liveness(monkeypatch, transfer_timeout=30)
-    rng = np.random.default_rng(41)
     spec = small_spec()
-    victim = 1
-    with SwapBackend(spec, tp_size=2, device="sim") as backend:
-        workers = [CacheWorker(spec, rank=0, tp_size=2, device="sim", suffix=backend.suffix).start()]
-        proc = start_worker(backend, victim, 2, spec, "numpy", victim)
-        try:
-            backend.wait_ready(timeout=30)
-            proc.kill()
-            proc.wait()
-            workers.append(CacheWorker(spec, rank=victim, tp_size=2, device="sim", suffix=backend.suffix).start())
-            wait_for(lambda: victim in backend.failed_ranks, 10, "the old worker's transfer manager went")
-            backend.restart_rank(victim, timeout=20)
-            backend.wait_ready(timeout=20)
-            for w in workers:
-                randomize(w, rng)
-            round_trip(backend, workers, rng)
-        finally:
-            stop_workers([proc])
-            for w in workers:
-                w.close()
+    with rank_1_worker_killed(spec) as (backend, workers):
+        workers.append(CacheWorker(spec, rank=1, tp_size=2, device="sim", suffix=backend.suffix).start())
+        wait_for(lambda: 1 in backend.failed_ranks, 10, "the old worker's transfer manager went")
+        backend.restart_rank(1, timeout=20)
+        backend.wait_ready(timeout=20)
+        random_round_trip(backend, workers, np.random.default_rng(41))
 
 
 def test_restart_rank_while_the_ranks_worker_is_dead_serves_nothing_until_a_new_worker_comes(monkeypatch):
@@ -367,31 +354,42 @@ def test_restart_rank_while_the_ranks_worker_is_dead_serves_nothing_until_a_new_
     there) and report the rank ready: every swap would be reported done over memory no worker serves. It waits
     for a worker instead; the one that takes the rank is attached without another restart, bit-exactly."""
     fast_liveness(monkeypatch, worker_timeout=1.0, transfer_timeout=30)
-    rng = np.random.default_rng(43)
     spec = small_spec()
-    victim = 1
+    with rank_1_worker_killed(spec) as (backend, workers):
+        wait_for(lambda: "status 3" in (backend.failed_ranks.get(1) or ""), 10,
+                 "the dead worker's transfer manager exited")
+        with pytest.raises(TransferError, match="restart of rank 1 timed out"):
+            backend.restart_rank(1, timeout=3)
+        with pytest.raises(RefusedError, match="not ready"):
+            backend.swap_out([1], [1])
+        workers.append(CacheWorker(spec, rank=1, tp_size=2, device="sim", suffix=backend.suffix).start())
+        backend.wait_ready(timeout=20)
+        random_round_trip(backend, workers, np.random.default_rng(43))
+
+
+@contextlib.contextmanager
+def rank_1_worker_killed(spec):
+    """A tp=2 deployment whose rank 0 worker runs here and whose rank 1 worker, a process of its own, is killed
+    once the deployment is ready. Yields (backend, workers): rank 0's, and any the test appends (closed after)."""
     with SwapBackend(spec, tp_size=2, device="sim") as backend:
         workers = [CacheWorker(spec, rank=0, tp_size=2, device="sim", suffix=backend.suffix).start()]
-        proc = start_worker(backend, victim, 2, spec, "numpy", victim)
+        proc = start_worker(backend, 1, 2, spec, "numpy", 1)
         try:
             backend.wait_ready(timeout=30)
             proc.kill()
             proc.wait()
-            wait_for(lambda: "status 3" in (backend.failed_ranks.get(victim) or ""), 10,
-                     "the dead worker's transfer manager exited")
-            with pytest.raises(TransferError, match=f"restart of rank {victim} timed out"):
-                backend.restart_rank(victim, timeout=3)
-            with pytest.raises(RefusedError, match="not ready"):
-                backend.swap_out([1], [1])
-            workers.append(CacheWorker(spec, rank=victim, tp_size=2, device="sim", suffix=backend.suffix).start())
-            backend.wait_ready(timeout=20)
-            for w in workers:
-                randomize(w, rng)
-            round_trip(backend, workers, rng)
+            yield backend, workers
         finally:
             stop_workers([proc])
             for w in workers:
                 w.close()
+
+
+def random_round_trip(backend, workers, rng):
+    """Every worker's cache filled with random bytes, then round_trip: blocks out and back, bit for bit."""
+    for w in workers:
+        randomize(w, rng)
+    round_trip(backend, workers, rng)
 
 
 def test_task_submitted_right_after_a_transfer_manager_died_names_its_exit_status(monkeypatch):

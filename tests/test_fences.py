@@ -46,6 +46,20 @@ def stand_in(copier, waits, rank=0):
     return tm
 
 
+def late_write(lazy, gpu, gpu_ids, rng):
+    """Fresh random rows for gpu_ids, written by a model stream that runs late (queued, not yet run): returns the
+    rows before, the rows written, and the stream."""
+    old = device_rows(gpu, gpu_ids)
+    written = [rng.integers(0, 256, r.shape, dtype=np.uint8) for r in old]
+    model = lazy.compute_stream()
+
+    def write():
+        for rows, new in zip(gpu, written):
+            rows[gpu_ids[gpu_ids < len(rows)]] = new
+    lazy.on_stream(model, write)
+    return old, written, model
+
+
 def run_task(tm, kind, gpu_ids, cpu_ids, fence, layerwise=False):
     """The task as the engine encodes it, received, decoded and run as a transfer manager does."""
     header, ids = protocol.decode(protocol.encode_task(7, kind, gpu_ids, cpu_ids, layerwise, fence=fence))
@@ -89,15 +103,8 @@ def test_a_store_submitted_behind_a_late_write_reads_the_written_bytes(lazy, mon
         gpu_ids, cpu_ids = rng.choice(160, blocks, replace=False), rng.choice(128, blocks, replace=False)
         for rows in gpu:
             rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
-        old = device_rows(gpu, gpu_ids)
-        written = [rng.integers(0, 256, r.shape, dtype=np.uint8) for r in old]
+        old, written, model = late_write(lazy, gpu, gpu_ids, rng)
         assert not same(written, old)
-        model = lazy.compute_stream()
-
-        def write():
-            for rows, new in zip(gpu, written):
-                rows[gpu_ids[gpu_ids < len(rows)]] = new
-        lazy.on_stream(model, write)
         fence = ring.fence(model)
         assert fence == Fence(0, int(signals.ipc_events[0, EVENTS_FENCE]), 0)
         run_task(stand_in(copier, waits), protocol.SWAP_TO_CPU, gpu_ids, cpu_ids, [fence])
@@ -158,14 +165,7 @@ def test_a_small_task_through_the_task_ring_carries_the_fence_the_worker_took(la
         ring = lazy.closing(FenceRing(signals, 1, suffix, 0, cuda=True))
         waits = lazy.closing(FenceWaits(suffix, 1, 0))
         gpu_ids, cpu_ids = rng.choice(100, 6, replace=False), rng.choice(128, 6, replace=False)
-        old = device_rows(gpu, gpu_ids)
-        written = [rng.integers(0, 256, r.shape, dtype=np.uint8) for r in old]
-        model = lazy.compute_stream()
-
-        def write():
-            for rows, new in zip(gpu, written):
-                rows[gpu_ids[gpu_ids < len(rows)]] = new
-        lazy.on_stream(model, write)
+        old, written, model = late_write(lazy, gpu, gpu_ids, rng)
         fence = ring.fence(model)
         assert fence.rank == 1 and fence.generation >= 1 << 32, "the export's generation, as the worker makes it"
         task = protocol.SmallTask(9, protocol.SWAP_TO_CPU, gpu_ids.tolist(), cpu_ids.tolist(), False, fence=[fence])
