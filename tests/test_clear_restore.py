@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fastcache import RefusedError, SwapBackend, TransferError
+from fastcache.ipc.barrier import ENGINE_PARTY
 from fastcache.ipc.signal import CLEARED, CLEARING, NORMAL
 from fastcache.launch.harness import shm_bytes, start_workers, stop_workers
 
@@ -264,6 +265,24 @@ def test_a_clear_that_broke_midway_can_be_retried_after_a_restart():
         round_trip(backend, workers, rng)
 
 
+def clear_on_a_thread(backend, errors) -> threading.Thread:
+    """clear_caches(timeout=30) on a thread of its own, started; what it raises goes into errors."""
+    def clear():
+        try:
+            backend.clear_caches(timeout=30)
+        except BaseException as exc:        # reported by the test
+            errors.append(exc)
+    thread = threading.Thread(target=clear)
+    thread.start()
+    return thread
+
+
+def wait_at_barrier(barrier, workers, epoch, what):
+    """Until a phase after `epoch` has reset the barrier and every worker has arrived at it, ahead of the engine."""
+    wait_for(lambda: barrier.epoch > epoch and all(
+        barrier.generation(w.party) > barrier.generation(ENGINE_PARTY) for w in workers), 30, what)
+
+
 def mapped_cache_segments(pid):
     with open(f"/proc/{pid}/maps") as maps:
         return [line.split()[-1] for line in maps if "cache_rank" in line]
@@ -286,7 +305,6 @@ def test_a_clear_that_timed_out_on_a_task_in_flight_frees_nothing_under_it_when_
     """A clear times out draining a swap still copying: the worker, already at the clear's barrier, must not
     take the retry's barrier reset for the clear passing and free its cache while that swap still reads it
     (the retry drains it first, then the transfer managers let go, then the worker frees)."""
-    from fastcache.ipc.barrier import ENGINE_PARTY
     from fastcache.transfer.manager import TEST_SWAP_OUT_GATE
     gate = tmp_path / "gate"
     monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
@@ -307,18 +325,9 @@ def test_a_clear_that_timed_out_on_a_task_in_flight_frees_nothing_under_it_when_
             assert backend.status == CLEARING and not held.done()
             epoch = barrier.epoch
             errors = []
-
-            def clear_again():
-                try:
-                    backend.clear_caches(timeout=30)
-                except BaseException as exc:        # reported below
-                    errors.append(exc)
-            retry = threading.Thread(target=clear_again)
-            retry.start()
+            retry = clear_on_a_thread(backend, errors)
             # the retry has reset the barrier and every worker has arrived for it: the clear waits for the swap
-            wait_for(lambda: barrier.epoch > epoch and all(
-                barrier.generation(w.party) > barrier.generation(ENGINE_PARTY) for w in workers), 30,
-                "the workers at the retried clear's barrier")
+            wait_at_barrier(barrier, workers, epoch, "the workers at the retried clear's barrier")
             assert not held.done()
             assert all(w.ready for w in workers) and backend.signals.cache_ready[:2].all(), \
                 "a worker freed its cache under a swap still in flight"
@@ -430,7 +439,6 @@ def test_a_sleep_that_failed_saving_the_weights_leaves_no_worker_to_free_its_cac
     """A sleep fails after publishing CLEARING (saving the weights failed), with the workers already at its
     barrier, and the deployment serves on: the next clear's barrier reset must not let them through that old
     generation to free their caches under a swap the clear is still draining."""
-    from fastcache.ipc.barrier import ENGINE_PARTY
     from fastcache.transfer.manager import TEST_SWAP_OUT_GATE
     gate = tmp_path / "gate"
     monkeypatch.setenv(TEST_SWAP_OUT_GATE, str(gate))
@@ -456,17 +464,8 @@ def test_a_sleep_that_failed_saving_the_weights_leaves_no_worker_to_free_its_cac
         try:
             held = backend.swap_out([6], [1])
             epoch = barrier.epoch
-
-            def clear_caches():
-                try:
-                    backend.clear_caches(timeout=30)
-                except BaseException as exc:        # reported below
-                    errors.append(exc)
-            clear = threading.Thread(target=clear_caches)
-            clear.start()
-            wait_for(lambda: barrier.epoch > epoch and all(
-                barrier.generation(w.party) > barrier.generation(ENGINE_PARTY) for w in workers), 30,
-                "the workers at the clear's barrier")
+            clear = clear_on_a_thread(backend, errors)
+            wait_at_barrier(barrier, workers, epoch, "the workers at the clear's barrier")
             assert not held.done()
             assert all(w.ready for w in workers), "a worker freed its cache under a swap still in flight"
         finally:
